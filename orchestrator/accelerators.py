@@ -1,0 +1,64 @@
+"""Strategy resolution for the worker: TPU, then GPU, then CPU, as the job allows.
+
+TensorFlow is imported inside the functions only, so that importing this module stays cheap;
+the supervisor still never calls into it.
+"""
+from __future__ import annotations
+
+import glob
+import os
+
+
+class AcceleratorUnavailable(RuntimeError):
+    """The job asked for an accelerator that this runtime does not offer (now)."""
+
+
+def tpu_address() -> str | None:
+    """What TPUClusterResolver should be given on this runtime, or None if no TPU is in sight.
+
+    Old Colab TPU runtimes expose a TPU node at ``COLAB_TPU_ADDR`` (gRPC); TPU VMs have the
+    chips locally (``/dev/accel*`` or ``/dev/vfio``) and take ``tpu='local'``.
+    """
+    if os.environ.get("TPU_NAME"):
+        return os.environ["TPU_NAME"]
+    addr = os.environ.get("COLAB_TPU_ADDR")
+    if addr:
+        return addr if addr.startswith("grpc://") else f"grpc://{addr}"
+    if glob.glob("/dev/accel*") or os.path.isdir("/dev/vfio") and os.listdir("/dev/vfio"):
+        return "local"
+    return None
+
+
+def resolve_strategy(kind: str):
+    """Return ``(strategy, description)`` for ``kind`` in auto|tpu|gpu|cpu."""
+    import tensorflow as tf
+
+    if kind in ("auto", "tpu"):
+        addr = tpu_address()
+        if addr is not None:
+            resolver = tf.distribute.cluster_resolver.TPUClusterResolver(tpu=addr)
+            if addr != "local":
+                tf.config.experimental_connect_to_cluster(resolver)
+            tf.tpu.experimental.initialize_tpu_system(resolver)
+            strategy = tf.distribute.TPUStrategy(resolver)
+            return strategy, f"TPU ({addr}, {strategy.num_replicas_in_sync} cores)"
+        if kind == "tpu":
+            raise AcceleratorUnavailable(
+                "strategy 'tpu' was asked for but no TPU is in sight: COLAB_TPU_ADDR and "
+                "TPU_NAME are unset and there is no /dev/accel* (change the runtime type to TPU, "
+                "or set strategy: auto)")
+    if kind in ("auto", "gpu"):
+        gpus = tf.config.list_logical_devices("GPU")
+        if len(gpus) > 1:
+            s = tf.distribute.MirroredStrategy()
+            return s, f"GPU x{len(gpus)} (MirroredStrategy)"
+        if gpus:
+            return tf.distribute.OneDeviceStrategy(gpus[0].name), f"GPU ({gpus[0].name})"
+        if kind == "gpu":
+            raise AcceleratorUnavailable(
+                "strategy 'gpu' was asked for but TensorFlow sees no GPU "
+                "(check the runtime type, or set strategy: auto)")
+    cpus = tf.config.list_logical_devices("CPU")
+    if len(cpus) > 1:
+        return tf.distribute.MirroredStrategy([d.name for d in cpus]), f"CPU x{len(cpus)}"
+    return tf.distribute.get_strategy(), "CPU"

@@ -1,0 +1,61 @@
+"""Command line: argument parsing only; the work is done by the API modules."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .lock import LockedError
+from .spec import SpecError
+
+EXIT_USAGE = 2
+EXIT_LOCKED = 3
+
+
+def _cmd_run(args) -> int:
+    from .api import run
+
+    return run(args.job, run_dir=args.run_dir)
+
+
+def _cmd_status(args) -> int:
+    from .status import format_status, run_status
+
+    try:
+        s = run_status(args.run_dir)
+    except FileNotFoundError as exc:
+        print(f"orchestrator: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    print(json.dumps(s, indent=2, default=str) if args.json else format_status(s))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="orchestrator",
+                                description="Resilient Keras training on preemptible runtimes.")
+    sub = p.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("run", help="start, or resume, the run of a job")
+    r.add_argument("job", help="the job's YAML file")
+    r.add_argument("--run-dir", help="override the job's run_dir")
+    r.set_defaults(func=_cmd_run)
+    s = sub.add_parser("status", help="where a run stands")
+    s.add_argument("run_dir")
+    s.add_argument("--json", action="store_true", help="machine-readable output")
+    s.set_defaults(func=_cmd_status)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except SpecError as exc:
+        print(f"orchestrator: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except LockedError as exc:
+        print(f"orchestrator: {exc}", file=sys.stderr)
+        return EXIT_LOCKED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,117 @@
+"""The job's data as tf.data pipelines whose order is a function of (seed, epoch) alone.
+
+Keras shuffles with a process-local stream, so an epoch replayed after a restart would see a
+different order. Here each epoch's permutation is drawn from a stateless RNG keyed by the seed
+and the epoch number, inside the graph (TPU-safe: no Python generators), and the epochs are
+chained in one dataset that ``fit`` consumes with ``steps_per_epoch``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+
+class DataError(Exception):
+    """The data factory returned something this tool cannot train on."""
+
+
+@dataclass
+class JobData:
+    train: tuple | object  # (x, y) arrays, or an unbatched tf.data.Dataset of (x, y)
+    validation: tuple | object | None
+    num_examples: int
+
+
+def normalise(result, where: str) -> JobData:
+    """Accept ``{"train": ..., "validation": ...}``, ``(train, validation)`` or ``(x, y)``."""
+    import tensorflow as tf
+
+    if isinstance(result, dict):
+        unknown = set(result) - {"train", "validation"}
+        if "train" not in result or unknown:
+            raise DataError(f"{where}: expected a dict with 'train' and optionally 'validation', "
+                            f"got keys {sorted(result)}")
+        train, val = result["train"], result.get("validation")
+    elif isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], np.ndarray):
+        train, val = result, None
+    elif isinstance(result, (tuple, list)) and len(result) == 2:
+        train, val = result
+    elif isinstance(result, tf.data.Dataset):
+        train, val = result, None
+    else:
+        raise DataError(f"{where}: expected (x, y) arrays, (train, validation), a dict with "
+                        f"'train'/'validation' or a tf.data.Dataset; got {type(result).__name__}")
+    for name, part in (("train", train), ("validation", val)):
+        if part is None or isinstance(part, tf.data.Dataset):
+            continue
+        if not (isinstance(part, (tuple, list)) and len(part) == 2):
+            raise DataError(f"{where}: {name} data must be an (x, y) pair of arrays, "
+                            f"got {type(part).__name__}")
+        if len(part[0]) != len(part[1]):
+            raise DataError(f"{where}: {name} x has {len(part[0])} rows but y has {len(part[1])}")
+    if isinstance(train, tf.data.Dataset):
+        n = int(train.cardinality())
+        if n < 0:  # unknown or infinite: count once
+            n = int(train.reduce(np.int64(0), lambda c, _: c + 1))
+    else:
+        train = (np.asarray(train[0]), np.asarray(train[1]))
+        n = len(train[0])
+    if n == 0:
+        raise DataError(f"{where}: the training data is empty")
+    if val is not None and not isinstance(val, tf.data.Dataset):
+        val = (np.asarray(val[0]), np.asarray(val[1]))
+    return JobData(train, val, n)
+
+
+def steps_per_epoch(num_examples: int, global_batch: int, drop_remainder: bool) -> int:
+    steps = num_examples // global_batch if drop_remainder else math.ceil(num_examples / global_batch)
+    if steps == 0:
+        raise DataError(f"{num_examples} training examples are fewer than one global batch of "
+                        f"{global_batch}: lower batch_size")
+    return steps
+
+
+def train_dataset(data: JobData, seed: int, start_epoch: int, end_epoch: int, global_batch: int,
+                  drop_remainder: bool):
+    """Batches for epochs ``start_epoch .. end_epoch-1``, each in its own (seed, epoch) order."""
+    import tensorflow as tf
+
+    if isinstance(data.train, tf.data.Dataset):
+        base = data.train
+
+        def epoch(e):
+            return base.shuffle(min(data.num_examples, 10_000), seed=seed * 1_000_003 + e,
+                                reshuffle_each_iteration=False).batch(global_batch, drop_remainder)
+    else:
+        x, y = (tf.constant(a) for a in data.train)
+        n = data.num_examples
+
+        def epoch(e):
+            key = tf.stack([tf.constant(seed, tf.int64), e])
+            perm = tf.argsort(tf.random.stateless_uniform([n], seed=key))
+            idx = tf.data.Dataset.from_tensor_slices(perm).batch(global_batch, drop_remainder)
+            return idx.map(lambda i: (tf.gather(x, i), tf.gather(y, i)))
+
+    ds = tf.data.Dataset.range(start_epoch, end_epoch).flat_map(epoch)
+    return ds.prefetch(tf.data.AUTOTUNE)
+
+
+def validation_dataset(data: JobData, global_batch: int, drop_remainder: bool):
+    import tensorflow as tf
+
+    if data.validation is None:
+        return None
+    if isinstance(data.validation, tf.data.Dataset):
+        return data.validation.batch(global_batch, drop_remainder)
+    return tf.data.Dataset.from_tensor_slices(data.validation).batch(global_batch, drop_remainder)
+
+
+def sample_batch(data: JobData, size: int):
+    """A few training inputs, to build a model whose variables do not exist yet."""
+    import tensorflow as tf
+
+    if isinstance(data.train, tf.data.Dataset):
+        return next(iter(data.train.batch(size)))[0]
+    return data.train[0][:size]

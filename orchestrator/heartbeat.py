@@ -1,0 +1,44 @@
+"""Heartbeat: the worker says it is alive and where it is; the supervisor reads it.
+
+The worker replaces ``heartbeat.json`` in the run directory at most once per interval (atomic
+rename, not fsynced: it is liveness, not history). Its modification time is the beat.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+from .osutil import read_json, write_json_atomic
+
+FILE = "heartbeat.json"
+
+
+class Progress:
+    """Where the attempt is, for the heartbeat and the error record."""
+
+    def __init__(self, epoch: int = 0):
+        self.epoch = epoch  # epochs completed
+        self.batch = 0      # batches done in the current epoch
+
+    def as_dict(self) -> dict:
+        return {"epoch": self.epoch, "batch": self.batch}
+
+
+class HeartbeatWriter:
+    def __init__(self, run_dir: str, attempt: int, interval: float = 1.0):
+        self.path = os.path.join(run_dir, FILE)
+        self.attempt, self.interval = attempt, interval
+        self._last = 0.0
+
+    def beat(self, force: bool = False, **where) -> bool:
+        now = time.time()
+        if not force and now - self._last < self.interval:
+            return False
+        self._last = now
+        write_json_atomic(self.path, {"time": round(now, 3), "pid": os.getpid(),
+                                      "attempt": self.attempt, **where}, durable=False)
+        return True
+
+
+def read(run_dir: str) -> dict | None:
+    return read_json(os.path.join(run_dir, FILE))

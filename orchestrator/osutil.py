@@ -1,0 +1,71 @@
+"""Small OS helpers: durable atomic writes and process liveness, shared by both sides."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+
+def fsync_dir(path: str) -> bool:
+    """Persist a directory entry (a rename or a new file) where the OS allows it.
+
+    Returns False where the filesystem refuses (some FUSE mounts do for directories): the
+    rename is then as durable as that filesystem makes it, and there is nothing more to do.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        os.fsync(fd)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: str, data: bytes, durable: bool = True) -> None:
+    """Write ``data`` to ``path`` so a reader sees the old or the new content, never half."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        if durable:
+            f.flush()
+            os.fsync(f.fileno())
+    os.replace(tmp, path)
+    if durable:
+        fsync_dir(os.path.dirname(path) or ".")
+
+
+def write_json_atomic(path: str, obj, durable: bool = True) -> None:
+    write_atomic(path, (json.dumps(obj, indent=1, default=str) + "\n").encode(), durable)
+
+
+def read_json(path: str):
+    """The JSON in ``path``, or None when it is missing or unreadable (being replaced)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def sha256_file(path: str, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while True:
+            b = f.read(chunk)
+            if not b:
+                return h.hexdigest()
+            h.update(b)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # it exists, owned by someone else
+    return True

@@ -1,0 +1,46 @@
+"""Where everything lives in a run directory: the one place both processes agree on names."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+# The worker's exit code for "this will fail the same way again" (configuration, job code,
+# missing TensorFlow): the supervisor does not spend restarts on it. sysexits' EX_CONFIG.
+EXIT_CONFIG = 78
+
+
+@dataclass(frozen=True)
+class RunDir:
+    root: str
+
+    @property
+    def journal(self) -> str:
+        return os.path.join(self.root, "events.jsonl")
+
+    @property
+    def checkpoints(self) -> str:
+        return os.path.join(self.root, "checkpoints")
+
+    @property
+    def attempts(self) -> str:
+        return os.path.join(self.root, "attempts")
+
+    @property
+    def job_copy(self) -> str:
+        return os.path.join(self.root, "job.yaml")
+
+    @property
+    def run_info(self) -> str:
+        """Frozen facts of the run: job path, training hash, created."""
+        return os.path.join(self.root, "run.json")
+
+    def attempt_log(self, n: int) -> str:
+        return os.path.join(self.attempts, f"{n}.log")
+
+    def error_record(self, n: int) -> str:
+        return os.path.join(self.attempts, f"{n}.error.json")
+
+    def make(self) -> "RunDir":
+        os.makedirs(self.attempts, exist_ok=True)
+        os.makedirs(self.checkpoints, exist_ok=True)
+        return self
