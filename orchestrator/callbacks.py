@@ -9,15 +9,19 @@ from .heartbeat import HeartbeatWriter, Progress
 
 
 class ProgressCallback(keras.callbacks.Callback):
-    def __init__(self, progress: Progress):
+    def __init__(self, progress: Progress, on_first_step=None):
         super().__init__()
         self.progress = progress
+        self.on_first_step = on_first_step
 
     def on_epoch_begin(self, epoch, logs=None):
         self.progress.epoch, self.progress.batch = epoch, 0
 
     def on_train_batch_end(self, batch, logs=None):
         self.progress.batch = batch + 1
+        if self.on_first_step is not None:
+            self.on_first_step()  # recovery time ends at the first step of an attempt
+            self.on_first_step = None
 
     def on_epoch_end(self, epoch, logs=None):
         self.progress.epoch, self.progress.batch = epoch + 1, 0

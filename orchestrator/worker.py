@@ -81,7 +81,7 @@ def _watch_parent(poll: float = 0.5) -> None:
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
-def train(spec: JobSpec, rd: RunDir, attempt: int, progress) -> dict:
+def train(spec: JobSpec, rd: RunDir, attempt: int, progress, t_start: float) -> dict:
     """The attempt itself; returns a summary. Raises on any failure."""
     import keras
     import tensorflow as tf
@@ -91,7 +91,6 @@ def train(spec: JobSpec, rd: RunDir, attempt: int, progress) -> dict:
     from .callbacks import CheckpointCallback, HeartbeatCallback, ProgressCallback
 
     journal = Journal(rd.journal)
-    t0 = time.time()
     heart = HeartbeatWriter(rd.root, attempt, spec.heartbeat_interval)
     heart.beat(force=True, phase="starting")
     keras.utils.set_random_seed(spec.seed)
@@ -132,7 +131,7 @@ def train(spec: JobSpec, rd: RunDir, attempt: int, progress) -> dict:
     progress.epoch = start_epoch
     journal.append("worker_ready", source="worker", attempt=attempt, strategy=described,
                    replicas=replicas, global_batch=global_batch, steps_per_epoch=spe,
-                   resumed_from_epoch=start_epoch, startup_s=round(time.time() - t0, 3))
+                   resumed_from_epoch=start_epoch, startup_s=round(time.time() - t_start, 3))
     print(f"[worker] attempt {attempt}: {described}, {replicas} replica(s), global batch "
           f"{global_batch}, resuming at epoch {start_epoch}/{spec.epochs}", flush=True)
     if start_epoch >= spec.epochs:
@@ -144,7 +143,9 @@ def train(spec: JobSpec, rd: RunDir, attempt: int, progress) -> dict:
     base_manifest = {"job": spec.name, "training_hash": spec.training_hash(), "attempt": attempt,
                      "global_batch": global_batch, "replicas": replicas}
     callbacks = [
-        ProgressCallback(progress),
+        ProgressCallback(progress, on_first_step=lambda: journal.append(
+            "first_step", source="worker", attempt=attempt, since_start_s=round(
+                time.time() - t_start, 3))),
         HeartbeatCallback(heart, progress),
         CheckpointCallback(store, spec.checkpoint.every_epochs, spec.epochs,
                            spec.checkpoint.keep, history, base_manifest),
@@ -179,6 +180,7 @@ def main(argv=None) -> int:
     p.add_argument("--run-dir", required=True)
     p.add_argument("--attempt", type=int, required=True)
     args = p.parse_args(argv)
+    t_start = time.time()
     _watch_parent()
     try:
         spec = load(args.job, run_dir=args.run_dir)
@@ -193,7 +195,7 @@ def main(argv=None) -> int:
         from . import datasets, state
 
         try:
-            summary = train(spec, rd, args.attempt, progress)
+            summary = train(spec, rd, args.attempt, progress, t_start)
         except (datasets.DataError, state.StateMismatch) as exc:
             raise JobError(str(exc)) from exc
     except JobError as exc:

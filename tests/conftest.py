@@ -1,0 +1,52 @@
+import os
+import sys
+import textwrap
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FAKE_WORKER = os.path.join(ROOT, "tests", "fakes", "fake_worker.py")
+
+
+@pytest.fixture
+def write_job(tmp_path):
+    """Write a job file (YAML text, dedented) into tmp_path and return its path."""
+
+    def write(text: str, name: str = "job.yaml") -> str:
+        p = tmp_path / name
+        p.write_text(textwrap.dedent(text))
+        return str(p)
+
+    return write
+
+
+@pytest.fixture
+def fake_job(write_job, tmp_path):
+    """A valid job for the fake worker; keyword arguments replace top-level keys."""
+
+    def make(epochs=4, restarts="{max: 2, backoff: {initial: 0.01, max: 0.05}}", extra=""):
+        return write_job(f"""
+            name: fake
+            model: nowhere:build
+            data: nowhere:load
+            epochs: {epochs}
+            batch_size: 8
+            run_dir: {tmp_path / 'run'}
+            restarts: {restarts}
+            {extra}
+        """)
+
+    return make
+
+
+def fake_worker_cmd(spec, attempt):
+    return [sys.executable, FAKE_WORKER, spec.job_path, "--run-dir", spec.run_dir,
+            "--attempt", str(attempt)]
+
+
+def fake_env(plan: dict) -> dict:
+    import json
+
+    env = dict(os.environ, FAKE_PLAN=json.dumps(plan))
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    return env

@@ -1,0 +1,91 @@
+import os
+
+import pytest
+
+from orchestrator.checkpoints import CheckpointStore
+
+
+def _payload(text):
+    def write(d):
+        with open(os.path.join(d, "state.npz"), "wb") as f:
+            f.write(text.encode())
+    return write
+
+
+def test_commit_is_listed_and_verifies(tmp_path):
+    store = CheckpointStore(str(tmp_path / "c"))
+    c = store.commit(1, _payload("a"), {"step": 10, "history": [{"epoch": 1}]})
+    assert c.epoch == 1 and c.step == 10
+    assert store.verify(c.path) is None
+    assert [x.epoch for x in store.list()] == [1]
+    assert c.manifest["files"]["state.npz"]["size"] == 1
+
+
+def test_latest_valid_falls_back_past_corrupt_and_reports(tmp_path):
+    store = CheckpointStore(str(tmp_path))
+    for e in (1, 2, 3):
+        store.commit(e, _payload(f"epoch {e}"), {})
+    with open(os.path.join(store.path_for(3), "state.npz"), "r+b") as f:
+        f.write(b"X")  # same size, different bytes
+    os.remove(os.path.join(store.path_for(2), "manifest.json"))
+    skipped = []
+    latest = store.latest_valid(on_skip=lambda c, why: skipped.append((c.epoch, why)))
+    assert latest.epoch == 1
+    assert skipped == [(3, "state.npz: checksum mismatch"), (2, "manifest missing or unreadable")]
+
+
+def test_truncated_file_is_detected(tmp_path):
+    store = CheckpointStore(str(tmp_path))
+    c = store.commit(1, _payload("0123456789"), {})
+    with open(os.path.join(c.path, "state.npz"), "r+b") as f:
+        f.truncate(3)
+    assert "size 3 != 10" in store.verify(c.path)
+
+
+def test_failed_payload_leaves_nothing_committed(tmp_path):
+    store = CheckpointStore(str(tmp_path))
+
+    def boom(d):
+        _payload("half")(d)
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError):
+        store.commit(1, boom, {})
+    assert store.list() == [] and os.listdir(str(tmp_path)) == []
+
+
+def test_partial_dirs_of_dead_writers_are_ignored_then_removed(tmp_path):
+    store = CheckpointStore(str(tmp_path))
+    store.commit(1, _payload("a"), {})
+    dead = tmp_path / ".tmp-000002-999999999-abcd1234"  # a pid that cannot exist
+    dead.mkdir()
+    (dead / "state.npz").write_bytes(b"half")
+    assert [c.epoch for c in store.list()] == [1]
+    assert store.remove_partial() == [dead.name]
+    assert not dead.exists()
+
+
+def test_retention_keeps_the_newest_k(tmp_path):
+    store = CheckpointStore(str(tmp_path))
+    for e in range(1, 6):
+        store.commit(e, _payload(str(e)), {}, keep=2)
+    assert [c.epoch for c in store.list()] == [4, 5]
+
+
+def test_retention_never_deletes_the_newest_verified_copy(tmp_path):
+    store = CheckpointStore(str(tmp_path))
+    store.commit(1, _payload("1"), {})
+    store.commit(2, _payload("2"), {})
+    os.remove(os.path.join(store.path_for(2), "state.npz"))
+    assert store.retain(1) == []
+    assert store.latest_valid().epoch == 1
+
+
+def test_recommit_of_a_corrupt_epoch_replaces_it(tmp_path):
+    store = CheckpointStore(str(tmp_path))
+    c = store.commit(1, _payload("old"), {})
+    with open(os.path.join(c.path, "state.npz"), "wb") as f:
+        f.write(b"bad")
+    c2 = store.commit(1, _payload("new"), {})
+    assert store.verify(c2.path) is None
+    assert open(os.path.join(c2.path, "state.npz")).read() == "new"

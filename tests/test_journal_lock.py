@@ -1,0 +1,58 @@
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from orchestrator.journal import Journal
+from orchestrator.lock import LockedError, RunLock
+
+
+def test_journal_appends_and_skips_a_torn_line(tmp_path):
+    j = Journal(str(tmp_path / "events.jsonl"))
+    j.append("a", x=1)
+    with open(j.path, "a") as f:
+        f.write('{"ts": 1, "event": "tor')  # a writer killed mid-line
+    j.append("b", x=2)
+    assert [(e["event"], e["x"]) for e in j.events()] == [("a", 1), ("b", 2)]
+    assert [e["event"] for e in j.events("b")] == ["b"]
+
+
+def test_journal_of_missing_file_is_empty(tmp_path):
+    assert Journal(str(tmp_path / "none.jsonl")).events() == []
+
+
+def test_lock_excludes_a_live_owner(tmp_path):
+    a = RunLock(str(tmp_path))
+    assert a.acquire() is None
+    with pytest.raises(LockedError, match=f"pid {os.getpid()}"):
+        RunLock(str(tmp_path)).acquire()
+    a.release()
+    assert not os.path.exists(a.path)
+    b = RunLock(str(tmp_path))
+    assert b.acquire() is None
+    b.release()
+
+
+def test_stale_lock_of_dead_owner_is_taken_over(tmp_path):
+    p = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                       capture_output=True, text=True)
+    dead_pid = int(p.stdout)
+    with open(tmp_path / "lock", "w") as f:
+        json.dump({"host": os.uname().nodename, "pid": dead_pid, "refreshed": 0}, f)
+    taken = RunLock(str(tmp_path)).acquire()
+    assert taken["pid"] == dead_pid and "not running" in taken["reason"]
+
+
+def test_lock_of_other_host_goes_stale_only_when_silent(tmp_path):
+    import time
+
+    with open(tmp_path / "lock", "w") as f:
+        json.dump({"host": "elsewhere", "pid": 1, "refreshed": time.time()}, f)
+    with pytest.raises(LockedError, match="host elsewhere"):
+        RunLock(str(tmp_path), stale_after=60).acquire()
+    with open(tmp_path / "lock", "w") as f:
+        json.dump({"host": "elsewhere", "pid": 1, "refreshed": time.time() - 120}, f)
+    taken = RunLock(str(tmp_path), stale_after=60).acquire()
+    assert "silent" in taken["reason"]

@@ -1,0 +1,113 @@
+import os
+
+import pytest
+
+from orchestrator import spec as spec_mod
+from orchestrator.cli import main as cli_main
+from orchestrator.spec import SpecError, load
+
+VALID = """
+name: demo
+model: my_job:build_model
+data:
+  factory: my_job:load_data
+  args: {synthetic: true}
+compile:
+  optimizer: adam
+  loss: sparse_categorical_crossentropy
+  metrics: [accuracy]
+epochs: 3
+batch_size: 16
+strategy: cpu
+seed: 7
+checkpoint: {every_epochs: 2, keep: 4}
+restarts: {max: 5, backoff: {initial: 0.5, max: 10, multiplier: 3}}
+"""
+
+
+def test_valid_job_loads_every_key(write_job, tmp_path):
+    s = load(write_job(VALID), run_dir=str(tmp_path / "r"))
+    assert (s.name, s.epochs, s.batch_size, s.strategy, s.seed) == ("demo", 3, 16, "cpu", 7)
+    assert s.model.target == "my_job:build_model" and s.data.args == {"synthetic": True}
+    assert s.compile.metrics == ("accuracy",)
+    assert (s.checkpoint.every_epochs, s.checkpoint.keep) == (2, 4)
+    assert (s.restarts.max, s.restarts.backoff_initial, s.restarts.backoff_multiplier) == (5, 0.5, 3)
+    assert s.run_dir == str(tmp_path / "r")
+    assert s.job_dir == str(tmp_path)
+
+
+def test_defaults_and_relative_run_dir(write_job, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    s = load(write_job("name: d\nmodel: a:b\ndata: a:c\nepochs: 1\nbatch_size: 1\n"))
+    assert s.run_dir == os.path.join(str(tmp_path), "runs", "d")
+    assert s.strategy == "auto" and s.restarts.max == 3 and s.checkpoint.every_epochs == 1
+
+
+@pytest.mark.parametrize("text, line, key, expected", [
+    (VALID.replace("seed: 7", "seed: 7\nepoch: 3"), 15, "epoch", "unknown key"),
+    (VALID.replace("epochs: 3", "epochs: ten"), 11, "epochs", "expected an integer >= 1, got 'ten'"),
+    (VALID.replace("epochs: 3", "epochs: 0"), 11, "epochs", "expected an integer >= 1"),
+    (VALID.replace("strategy: cpu", "strategy: tpuv4"), 13, "strategy", "expected one of auto, tpu"),
+    (VALID.replace("keep: 4", "keep: -1"), 15, "checkpoint.keep", "expected an integer >= 1"),
+    (VALID.replace("max: 10", "max: soon"), 16, "restarts.backoff.max", "expected a number"),
+    (VALID.replace("model: my_job:build_model", "model: my_job.build_model"), 3, "model",
+     "expected 'module:function'"),
+    (VALID.replace("args: {synthetic: true}", "args: [1]"), 6, "data.args", "expected a mapping"),
+    (VALID.replace("  loss: sparse_categorical_crossentropy\n", ""), 7, "compile.loss",
+     "required key is missing"),
+    (VALID.replace("metrics: [accuracy]", "metrics: accuracy"), 10, "compile.metrics",
+     "expected a list"),
+])
+def test_errors_name_file_line_key_and_expectation(write_job, text, line, key, expected):
+    path = write_job(text)
+    with pytest.raises(SpecError) as e:
+        load(path)
+    msg = str(e.value)
+    assert msg.startswith(f"{path}:{line}: key '{key}'"), msg
+    assert expected in msg
+
+
+def test_missing_required_key(write_job):
+    path = write_job("name: d\nmodel: a:b\ndata: a:c\nbatch_size: 1\n")
+    with pytest.raises(SpecError, match=r"key 'epochs': required key is missing"):
+        load(path)
+
+
+def test_invalid_yaml_gives_line(write_job):
+    path = write_job("name: d\nmodel: [a:b\n")
+    with pytest.raises(SpecError, match=rf"^{path}:\d+: invalid YAML"):
+        load(path)
+
+
+def test_python_tags_are_refused_not_executed(write_job, tmp_path):
+    marker = tmp_path / "pwned"
+    path = write_job(f"name: !!python/object/apply:os.system ['touch {marker}']\n")
+    with pytest.raises(SpecError, match="invalid YAML"):
+        load(path)
+    assert not marker.exists()
+
+
+def test_empty_and_missing_file(write_job, tmp_path):
+    with pytest.raises(SpecError, match="empty"):
+        load(write_job(""))
+    with pytest.raises(SpecError, match="cannot read the job file"):
+        load(str(tmp_path / "nope.yaml"))
+
+
+def test_cli_reports_spec_error_without_traceback(write_job, capsys):
+    path = write_job(VALID.replace("epochs: 3", "epochs: -2"))
+    assert cli_main(["run", path]) == 2
+    err = capsys.readouterr().err
+    assert f"{path}:11: key 'epochs'" in err and "Traceback" not in err
+
+
+def test_training_hash_ignores_epochs_but_not_model(write_job):
+    a = load(write_job(VALID, "a.yaml"))
+    b = load(write_job(VALID.replace("epochs: 3", "epochs: 30"), "b.yaml"))
+    c = load(write_job(VALID.replace("batch_size: 16", "batch_size: 32"), "c.yaml"))
+    assert a.training_hash() == b.training_hash() != c.training_hash()
+
+
+def test_spec_module_never_uses_unsafe_yaml_load():
+    src = open(spec_mod.__file__).read()
+    assert "yaml.load(" not in src and "SafeLoader" in src

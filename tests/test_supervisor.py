@@ -1,0 +1,147 @@
+"""Supervisor logic with tiny fake workers (no TensorFlow): fast and exact."""
+import io
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from conftest import ROOT, fake_env, fake_worker_cmd
+from orchestrator.journal import Journal
+from orchestrator.osutil import pid_alive
+from orchestrator.spec import load
+from orchestrator.supervisor import Supervisor
+
+
+def _run(job, plan, **kw):
+    out = io.StringIO()
+    sup = Supervisor(load(job), worker_cmd=fake_worker_cmd, out=out, env=fake_env(plan), **kw)
+    rc = sup.run()
+    return rc, out.getvalue(), Journal(sup.rd.journal).events()
+
+
+def _epochs(events):
+    return [e["epoch"] for e in events if e["event"] == "epoch_completed"]
+
+
+def test_clean_run_completes_and_journals_each_epoch_once(fake_job):
+    rc, out, events = _run(fake_job(epochs=4), {})
+    assert rc == 0
+    assert _epochs(events) == [1, 2, 3, 4]
+    assert [e["event"] for e in events][-1] == "run_completed"
+    assert events[-1]["weights_sha256"] == "fake-4"
+    assert "completed: 4 epochs" in out
+
+
+def test_killed_worker_is_restarted_and_resumes_after_last_commit(fake_job):
+    plan = {"exit_at_epoch": {"1": [3, -9], "2": [4, -9]}}
+    rc, out, events = _run(fake_job(epochs=5), plan)
+    assert rc == 0
+    assert _epochs(events) == [1, 2, 3, 4, 5]
+    started = [e for e in events if e["event"] == "attempt_started"]
+    assert [e["from_epoch"] for e in started] == [0, 2, 3]
+    ended = [e for e in events if e["event"] == "attempt_ended"]
+    assert [e["signal"] for e in ended] == ["SIGKILL", "SIGKILL", None]
+    assert sum(e["event"] == "restart" for e in events) == 2
+    assert "killed by SIGKILL" in out
+
+
+def test_restart_budget_is_enforced_with_a_clear_message(fake_job):
+    plan = {"exit": {str(n): 1 for n in range(1, 10)}}
+    rc, out, events = _run(fake_job(restarts="{max: 2, backoff: {initial: 0.01}}"), plan)
+    assert rc == 1
+    assert sum(e["event"] == "attempt_started" for e in events) == 3
+    failed = events[-1]
+    assert failed["event"] == "run_failed" and "restart budget of 2 spent" in failed["reason"]
+    assert failed["error"]["message"] == "planned exit 1"
+    assert "FAILED at epoch 0/4: restart budget of 2 spent" in out
+
+
+def test_backoff_grows_between_restarts(fake_job):
+    plan = {"exit": {"1": 1, "2": 1}}
+    _, _, events = _run(fake_job(restarts="{max: 3, backoff: {initial: 0.05, max: 1, "
+                                          "multiplier: 4}}"), plan)
+    delays = [e["delay_s"] for e in events if e["event"] == "restart"]
+    assert delays == [0.05, 0.2]
+
+
+def test_config_error_exit_is_not_retried(fake_job):
+    rc, out, events = _run(fake_job(), {"exit": {"1": 78}})
+    assert rc == 1
+    assert sum(e["event"] == "attempt_started" for e in events) == 1
+    assert "a restart cannot fix it" in events[-1]["reason"]
+
+
+def test_worker_exit_is_noticed_at_once(fake_job):
+    _, _, events = _run(fake_job(restarts="{max: 1, backoff: {initial: 0}}"),
+                        {"exit": {"1": 3}})
+    start = next(e for e in events if e["event"] == "attempt_started")
+    end = next(e for e in events if e["event"] == "attempt_ended")
+    assert end["ts"] - start["ts"] < 2.0  # a python start-up, not a polling period
+
+
+def test_second_run_of_a_completed_job_starts_no_worker(fake_job):
+    job = fake_job(epochs=2)
+    _run(job, {})
+    rc, out, events = _run(job, {})
+    assert rc == 0
+    assert sum(e["event"] == "attempt_started" for e in events) == 1
+    assert sum(e["event"] == "run_completed" for e in events) == 1
+
+
+def _supervisor_process(job, plan):
+    code = ("import sys; sys.path.insert(0, %r); sys.path.insert(0, %r)\n"
+            "from conftest import fake_worker_cmd\n"
+            "from orchestrator.spec import load\n"
+            "from orchestrator.supervisor import Supervisor\n"
+            "sys.exit(Supervisor(load(%r), worker_cmd=fake_worker_cmd).run())\n"
+            % (os.path.join(ROOT, "tests"), ROOT, job))
+    return subprocess.Popen([sys.executable, "-c", code], env=fake_env(plan),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_supervisor_killed_then_rerun_resumes_and_stops_the_orphan(fake_job, tmp_path):
+    job = fake_job(epochs=6)
+    run = tmp_path / "run"
+    p = _supervisor_process(job, {"sleep_forever": ["1"]})
+    deadline = time.time() + 20
+    while not (run / "fake-1.pid").exists() and time.time() < deadline:
+        time.sleep(0.05)
+    orphan = int((run / "fake-1.pid").read_text())
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    rc, out, events = _run(job, {})
+    assert rc == 0, out
+    assert "took over the run directory from a dead supervisor" in out
+    assert any(e["event"] == "lock_taken_over" for e in events)
+    assert _epochs(events) == [1, 2, 3, 4, 5, 6]
+    deadline = time.time() + 5  # the orphan dies of the parent watch or of the takeover kill
+    while pid_alive(orphan) and time.time() < deadline:
+        time.sleep(0.05)
+    assert not pid_alive(orphan), f"orphan worker {orphan} still alive"
+
+
+def test_sigterm_stops_the_worker_group_and_keeps_the_run_resumable(fake_job, tmp_path):
+    job = fake_job(epochs=3)
+    run = tmp_path / "run"
+    p = _supervisor_process(job, {"sleep_forever": ["1"]})
+    deadline = time.time() + 20
+    while not (run / "fake-1.pid").exists() and time.time() < deadline:
+        time.sleep(0.05)
+    worker = int((run / "fake-1.pid").read_text())
+    p.send_signal(signal.SIGTERM)
+    out, _ = p.communicate(timeout=30)
+    assert p.returncode == 130, out
+    assert "stopped; the run resumes" in out
+    assert not pid_alive(worker), "worker survived the supervisor's stop"
+    rc, _, events = _run(job, {})
+    assert rc == 0 and _epochs(events) == [1, 2, 3]
+
+
+def test_supervisor_side_never_imports_tensorflow():
+    code = ("import sys, orchestrator, orchestrator.cli, orchestrator.supervisor, "
+            "orchestrator.status, orchestrator.api\n"
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('tensorflow', 'keras')]\n"
+            "print(bad); sys.exit(1 if bad else 0)")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert p.returncode == 0, p.stdout + p.stderr
