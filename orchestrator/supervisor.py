@@ -205,7 +205,7 @@ class Supervisor:
         n = self._attempts_before + 1
         self._attempts_before = n
         cmd = self.worker_cmd(self.spec, n)
-        env = dict(self.env if self.env is not None else os.environ, PYTHONUNBUFFERED="1")
+        env = _worker_env(self.env if self.env is not None else os.environ)
         t0 = time.time()
         with open(self.rd.attempt_log(n), "ab") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
@@ -330,6 +330,13 @@ class Supervisor:
     def _restore_signal_handlers(self, old) -> None:
         for s, h in (old or {}).items():
             signal.signal(s, h)
+
+
+def _worker_env(base) -> dict:
+    """The worker must run this very orchestrator package, wherever the job's cwd is."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    paths = [here] + [p for p in base.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return dict(base, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join(paths))
 
 
 def _summary(error: dict | None) -> dict | None:
