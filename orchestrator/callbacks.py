@@ -58,8 +58,8 @@ class CheckpointCallback(keras.callbacks.Callback):
         self.history.append({"epoch": done, **metrics})
         if done % self.every and done != self.last_epoch:
             return
-        manifest = dict(self.base_manifest, step=int(self.model.optimizer.iterations.numpy()),
-                        metrics=metrics, history=self.history,
+        step = int(self.model.optimizer.iterations.numpy())
+        manifest = dict(self.base_manifest, epoch=done, batch=0, metrics=metrics, history=self.history,
                         weights_sha256=state.fingerprint(self.model),
                         variables=state.describe(self.model))
-        self.store.commit(done, lambda d: state.save(self.model, d), manifest, keep=self.keep)
+        self.store.commit(step, lambda d: state.save(self.model, d), manifest, keep=self.keep)

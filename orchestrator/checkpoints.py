@@ -1,9 +1,10 @@
 """The checkpoint store: atomic commit, manifest with checksums, newest-valid restore.
 
 This module never imports TensorFlow, so the supervisor, ``status`` and the tests can read and
-verify checkpoints. A checkpoint is a directory ``checkpoints/<epoch:06d>/`` holding the payload
-files and ``manifest.json``. It is written under a temporary name, every file fsynced, then
-renamed into place: the rename is the commit, so a reader never sees half a checkpoint. Restore
+verify checkpoints. A checkpoint is a directory ``checkpoints/<step:010d>/`` (the global training
+step, so mid-epoch checkpoints sort too) holding the payload files and ``manifest.json`` (which
+says the epochs completed and the batch reached within the next one). It is written under a
+temporary name, every file fsynced, then renamed into place: the rename is the commit, so a reader never sees half a checkpoint. Restore
 takes the newest checkpoint whose files match their checksums and falls back past the others,
 because a checkpoint that fails to load must never turn into a crash loop.
 """
@@ -22,18 +23,19 @@ from .osutil import fsync_dir, pid_alive, read_json, sha256_file, write_json_ato
 
 MANIFEST = "manifest.json"
 STATE_FILE = "state.npz"
-_COMMITTED = re.compile(r"^\d{6}$")
+_COMMITTED = re.compile(r"^\d{10}$")
 
 
 @dataclass(frozen=True)
 class Checkpoint:
-    epoch: int
+    step: int
     path: str
     manifest: dict
 
     @property
-    def step(self) -> int:
-        return int(self.manifest.get("step", 0))
+    def epoch(self) -> int:
+        """Epochs completed when this checkpoint was taken."""
+        return int(self.manifest.get("epoch", 0))
 
 
 class CheckpointStore:
@@ -41,14 +43,14 @@ class CheckpointStore:
         self.root = root
 
     # ---------------------------------------------------------------- write side
-    def commit(self, epoch: int, write_payload: Callable[[str], None], manifest: dict,
+    def commit(self, step: int, write_payload: Callable[[str], None], manifest: dict,
                keep: int | None = None) -> Checkpoint:
-        """Write a checkpoint for ``epoch`` atomically and apply retention.
+        """Write the checkpoint of global ``step`` atomically and apply retention.
 
         ``write_payload(dir)`` writes the payload files into a fresh temporary directory.
         """
         os.makedirs(self.root, exist_ok=True)
-        tmp = os.path.join(self.root, f".tmp-{epoch:06d}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        tmp = os.path.join(self.root, f".tmp-{step:010d}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         os.makedirs(tmp)
         try:
             write_payload(tmp)
@@ -58,11 +60,11 @@ class CheckpointStore:
                 with open(p, "rb") as f:
                     os.fsync(f.fileno())
                 files[name] = {"sha256": sha256_file(p), "size": os.path.getsize(p)}
-            full = dict(manifest, epoch=epoch, files=files, committed_at=round(time.time(), 3),
+            full = dict(manifest, step=step, files=files, committed_at=round(time.time(), 3),
                         pid=os.getpid())
             write_json_atomic(os.path.join(tmp, MANIFEST), full)
             fsync_dir(tmp)
-            final = self.path_for(epoch)
+            final = self.path_for(step)
             if os.path.exists(final):
                 if self.verify(final) is None:
                     shutil.rmtree(tmp)
@@ -107,8 +109,8 @@ class CheckpointStore:
         return removed
 
     # ---------------------------------------------------------------- read side
-    def path_for(self, epoch: int) -> str:
-        return os.path.join(self.root, f"{epoch:06d}")
+    def path_for(self, step: int) -> str:
+        return os.path.join(self.root, f"{step:010d}")
 
     def list(self) -> list[Checkpoint]:
         """Committed checkpoints, oldest first (not yet verified)."""

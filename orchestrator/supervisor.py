@@ -138,7 +138,7 @@ class Supervisor:
     def _open_run(self, stale: dict | None) -> None:
         events = self.journal.events()
         self._journaled_epochs = {e["epoch"] for e in events if e["event"] == "epoch_completed"}
-        self._journaled_ckpts = {e["epoch"] for e in events if e["event"] == "checkpoint_committed"}
+        self._journaled_ckpts = {e["step"] for e in events if e["event"] == "checkpoint_committed"}
         self._attempts_before = max((e["attempt"] for e in events
                                      if e["event"] == "attempt_started"), default=0)
         if stale:
@@ -252,7 +252,7 @@ class Supervisor:
     def _reconcile(self) -> None:
         """Journal every committed checkpoint and the epochs it covers, each exactly once."""
         for c in self.store.list():
-            if c.epoch in self._journaled_ckpts:
+            if c.step in self._journaled_ckpts:
                 continue
             reason = self.store.verify(c.path)
             if reason is not None:
@@ -269,7 +269,7 @@ class Supervisor:
                          f" (attempt {c.manifest.get('attempt')})")
             self.journal.append("checkpoint_committed", epoch=c.epoch, step=c.step,
                                 path=c.path, weights_sha256=c.manifest.get("weights_sha256"))
-            self._journaled_ckpts.add(c.epoch)
+            self._journaled_ckpts.add(c.step)
 
     def _latest_epoch(self) -> int:
         c = self.store.latest_valid()

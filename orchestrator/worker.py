@@ -118,7 +118,7 @@ def train(spec: JobSpec, rd: RunDir, attempt: int, progress, t_start: float) -> 
     skipped = []
     latest = store.latest_valid(on_skip=lambda c, why: skipped.append((c, why)))
     for c, why in skipped:
-        journal.append("checkpoint_skipped", source="worker", attempt=attempt, epoch=c.epoch,
+        journal.append("checkpoint_skipped", source="worker", attempt=attempt, step=c.step,
                        reason=why)
     start_epoch, history = 0, []
     if latest is not None:

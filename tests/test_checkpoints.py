@@ -14,10 +14,10 @@ def _payload(text):
 
 def test_commit_is_listed_and_verifies(tmp_path):
     store = CheckpointStore(str(tmp_path / "c"))
-    c = store.commit(1, _payload("a"), {"step": 10, "history": [{"epoch": 1}]})
-    assert c.epoch == 1 and c.step == 10
+    c = store.commit(10, _payload("a"), {"epoch": 1, "history": [{"epoch": 1}]})
+    assert c.epoch == 1 and c.step == 10 and c.path.endswith("0000000010")
     assert store.verify(c.path) is None
-    assert [x.epoch for x in store.list()] == [1]
+    assert [x.step for x in store.list()] == [10]
     assert c.manifest["files"]["state.npz"]["size"] == 1
 
 
@@ -29,8 +29,8 @@ def test_latest_valid_falls_back_past_corrupt_and_reports(tmp_path):
         f.write(b"X")  # same size, different bytes
     os.remove(os.path.join(store.path_for(2), "manifest.json"))
     skipped = []
-    latest = store.latest_valid(on_skip=lambda c, why: skipped.append((c.epoch, why)))
-    assert latest.epoch == 1
+    latest = store.latest_valid(on_skip=lambda c, why: skipped.append((c.step, why)))
+    assert latest.step == 1
     assert skipped == [(3, "state.npz: checksum mismatch"), (2, "manifest missing or unreadable")]
 
 
@@ -57,10 +57,10 @@ def test_failed_payload_leaves_nothing_committed(tmp_path):
 def test_partial_dirs_of_dead_writers_are_ignored_then_removed(tmp_path):
     store = CheckpointStore(str(tmp_path))
     store.commit(1, _payload("a"), {})
-    dead = tmp_path / ".tmp-000002-999999999-abcd1234"  # a pid that cannot exist
+    dead = tmp_path / ".tmp-0000000002-999999999-abcd1234"  # a pid that cannot exist
     dead.mkdir()
     (dead / "state.npz").write_bytes(b"half")
-    assert [c.epoch for c in store.list()] == [1]
+    assert [c.step for c in store.list()] == [1]
     assert store.remove_partial() == [dead.name]
     assert not dead.exists()
 
@@ -69,7 +69,7 @@ def test_retention_keeps_the_newest_k(tmp_path):
     store = CheckpointStore(str(tmp_path))
     for e in range(1, 6):
         store.commit(e, _payload(str(e)), {}, keep=2)
-    assert [c.epoch for c in store.list()] == [4, 5]
+    assert [c.step for c in store.list()] == [4, 5]
 
 
 def test_retention_never_deletes_the_newest_verified_copy(tmp_path):
@@ -78,7 +78,7 @@ def test_retention_never_deletes_the_newest_verified_copy(tmp_path):
     store.commit(2, _payload("2"), {})
     os.remove(os.path.join(store.path_for(2), "state.npz"))
     assert store.retain(1) == []
-    assert store.latest_valid().epoch == 1
+    assert store.latest_valid().step == 1
 
 
 def test_recommit_of_a_corrupt_epoch_replaces_it(tmp_path):

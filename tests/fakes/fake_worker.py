@@ -58,7 +58,7 @@ def main():
             with open(os.path.join(d, "state.npz"), "wb") as f:
                 f.write(f"weights after epoch {epoch}".encode())
 
-        store.commit(epoch, payload, {"attempt": a.attempt, "step": epoch * 10,
+        store.commit(epoch * 10, payload, {"attempt": a.attempt, "epoch": epoch,
                                       "history": list(history),
                                       "weights_sha256": f"fake-{epoch}"},
                      keep=spec.checkpoint.keep)
