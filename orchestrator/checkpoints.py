@@ -4,9 +4,10 @@ This module never imports TensorFlow, so the supervisor, ``status`` and the test
 verify checkpoints. A checkpoint is a directory ``checkpoints/<step:010d>/`` (the global training
 step, so mid-epoch checkpoints sort too) holding the payload files and ``manifest.json`` (which
 says the epochs completed and the batch reached within the next one). It is written under a
-temporary name, every file fsynced, then renamed into place: the rename is the commit, so a reader never sees half a checkpoint. Restore
-takes the newest checkpoint whose files match their checksums and falls back past the others,
-because a checkpoint that fails to load must never turn into a crash loop.
+temporary name, every file fsynced, then renamed into place: the rename is the commit, so a
+reader never sees half a checkpoint. Restore takes the newest checkpoint whose files match their
+checksums and falls back past the others, because a checkpoint that fails to load must never
+turn into a crash loop.
 """
 from __future__ import annotations
 
