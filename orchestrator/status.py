@@ -1,10 +1,15 @@
-"""Where a run stands, read from its directory alone (journal, checkpoints, lock, heartbeat)."""
+"""Where a run stands, read from its directory alone (journal, checkpoints, lock, heartbeat).
+
+``run_status`` is the machine-readable answer (``orchestrator status --json``), and
+``format_status`` the few lines a person reads. Goodput and time lost are defined in
+``timeline``.
+"""
 from __future__ import annotations
 
 import os
 import time
 
-from . import heartbeat
+from . import heartbeat, timeline
 from .checkpoints import CheckpointStore
 from .journal import Journal
 from .lock import FILE as LOCK_FILE
@@ -12,73 +17,162 @@ from .osutil import pid_alive, read_json
 from .rundir import RunDir
 
 
-def run_status(run_dir: str) -> dict:
+def load_run(run_dir: str):
+    """``(RunDir, events, running)`` of a run directory; FileNotFoundError if it is none."""
     rd = RunDir(os.path.abspath(run_dir))
     if not os.path.isfile(rd.journal):
         raise FileNotFoundError(f"{run_dir}: not a run directory (no events.jsonl)")
-    events = Journal(rd.journal).events()
-    info = read_json(rd.run_info) or {}
-    started = [e for e in events if e["event"] == "attempt_started"]
-    ended = [e for e in events if e["event"] == "attempt_ended"]
-    failed = [e for e in ended if e.get("exit_code") != 0]
-    epochs_total = next((e.get("epochs") for e in reversed(events)
-                         if e["event"] in ("run_started", "run_resumed")), None)
-    latest = CheckpointStore(rd.checkpoints).latest_valid()
     lock = read_json(os.path.join(rd.root, LOCK_FILE))
-    owner_alive = bool(lock and lock.get("host") == os.uname().nodename
+    here = os.uname().nodename
+    owner_alive = bool(lock and lock.get("host") == here
                        and pid_alive(int(lock.get("pid", 0) or 0)))
-    last = next((e for e in reversed(events)
-                 if e["event"] in ("run_completed", "run_failed", "supervisor_stopped",
-                                   "run_started", "run_resumed")), {})
-    if lock and (owner_alive or lock.get("host") != os.uname().nodename):
-        state = "running"
-    elif last.get("event") == "run_completed":
-        state = "completed"
-    elif last.get("event") == "run_failed":
-        state = "failed"
-    else:
-        state = "stopped"  # interrupted (VM recycled, supervisor killed): `run` resumes it
-    last_error = next((e.get("error") for e in reversed(ended) if e.get("error")), None)
+    running = bool(lock and (owner_alive or lock.get("host") != here))
+    return rd, Journal(rd.journal).events(), running
+
+
+def run_status(run_dir: str, now: float | None = None) -> dict:
+    now = time.time() if now is None else now
+    rd, events, running = load_run(run_dir)
+    info = read_json(rd.run_info) or {}
+    tl = timeline.build(events, running=running, now=now)
+    acct = timeline.account(tl)
+    epochs_total = next((e.get("epochs") for e in reversed(events)
+                         if e["event"] in timeline.SESSION_START), None)
+    latest = CheckpointStore(rd.checkpoints).latest_valid()
+    last = tl.sessions[-1].how if tl.sessions else "ended"
+    state = {"running": "running", "completed": "completed", "failed": "failed"}.get(
+        last, "stopped")  # stopped: interrupted or stopped; `run` resumes it
     hb = heartbeat.read(rd.root)
+    current = tl.attempts[-1] if tl.attempts else None
+    live = None
+    if running and hb and current and hb.get("attempt") == current.n:
+        live = {"epoch": hb.get("epoch"), "batch": hb.get("batch"),
+                "steps_per_epoch": current.steps_per_epoch, "phase": hb.get("phase")}
+    failed = [a for a in tl.attempts if a.failed]
     completed = next((e for e in reversed(events) if e["event"] == "run_completed"), None)
+    run_failed = next((e for e in reversed(events) if e["event"] == "run_failed"), None)
     return {
         "run_dir": rd.root,
         "name": info.get("name"),
         "state": state,
+        "attempt": current.n if current else 0,
         "epoch": latest.epoch if latest else 0,
         "epochs": epochs_total,
-        "last_checkpoint": None if latest is None else {
-            "epoch": latest.epoch, "step": latest.step, "path": latest.path,
-            "committed_at": latest.manifest.get("committed_at")},
-        "attempts": len(started),
+        "step": latest.step if latest else 0,
+        "live": live,
+        "attempts": len(tl.attempts),
         "failed_attempts": len(failed),
         "restarts": sum(1 for e in events if e["event"] == "restart"),
-        "last_error": last_error,
-        "heartbeat_age_s": round(time.time() - hb["time"], 1) if hb else None,
-        "supervisor": lock if lock else None,
+        "restarts_by_kind": timeline.restarts_by_kind(tl),
+        "faults_by_kind": _count(a.kind for a in failed),
+        "goodput": acct["goodput"],
+        "wall_s": acct["wall_s"],
+        "useful_s": acct["useful_s"],
+        "lost_to_faults_s": acct["lost_to_faults_s"],
+        "time_by_cause_s": acct["by_cause_s"],
+        "away_s": acct["away_s"],
+        "last_checkpoint": _checkpoint(latest),
+        "checkpoints_by_tier": _tiers(events, latest),
+        "last_error": _last_error(failed, run_failed),
+        "failure": None if run_failed is None or state != "failed" else {
+            k: run_failed.get(k) for k in ("kind", "reason", "evidence", "tried")
+            if run_failed.get(k) is not None},
+        "heartbeat_age_s": round(now - hb["time"], 1) if hb and running else None,
+        "supervisor": read_json(os.path.join(rd.root, LOCK_FILE)),
         "weights_sha256": completed.get("weights_sha256") if completed else None,
         "metrics": next((e.get("metrics") for e in reversed(events)
                          if e["event"] == "epoch_completed"), None),
     }
 
 
-def format_status(s: dict) -> str:
-    lines = [f"run {s['name']} ({s['run_dir']}): {s['state']}",
-             f"  epoch {s['epoch']}/{s['epochs']}, {s['attempts']} attempt(s), "
-             f"{s['restarts']} restart(s), {s['failed_attempts']} failed"]
-    if s["last_checkpoint"]:
-        c = s["last_checkpoint"]
-        age = time.time() - c["committed_at"] if c.get("committed_at") else None
-        when = f", {age:.0f} s ago" if age is not None else ""
-        lines.append(f"  last checkpoint: epoch {c['epoch']} (step {c['step']}{when})")
+def _count(items) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for k in items:
+        out[k] = out.get(k, 0) + 1
+    return out
+
+
+def _checkpoint(c) -> dict | None:
+    if c is None:
+        return None
+    return {"epoch": c.epoch, "step": c.step, "path": c.path,
+            "committed_at": c.manifest.get("committed_at"), "verified": True}
+
+
+def _tiers(events: list[dict], latest) -> dict:
+    """The newest checkpoint in each tier: the run directory's (verified now), and each tier
+    the journal names (``checkpoint_durable`` events, or checkpoint events with a ``tier``)."""
+    tiers = {"run_dir": _checkpoint(latest)}
+    for e in events:
+        ev = e.get("event", "")
+        tier = "durable" if ev == "checkpoint_durable" else \
+            e.get("tier") if ev.startswith("checkpoint_") else None
+        if tier and tier != "run_dir" and "skipped" not in ev:
+            tiers[tier] = {"epoch": e.get("epoch"), "step": e.get("step"),
+                           "path": e.get("path") or e.get("dest"), "committed_at": e["ts"],
+                           "verified": e.get("verified")}
+    return tiers
+
+
+def _last_error(failed: list, run_failed: dict | None) -> str | None:
+    if not failed:
+        return None
+    a = failed[-1]
+    line = timeline.error_line(a.error)
+    if line is None and run_failed and a.n == run_failed.get("last_attempt"):
+        line = timeline.error_line(run_failed.get("error"))
+    return f"attempt {a.n} ({a.kind}): {line or a.how}"
+
+
+def fmt_duration(s: float | None) -> str:
+    if s is None:
+        return "-"
+    if s < 10:
+        return f"{max(s, 0.0):.1f}s"
+    s = int(round(s))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+def fmt_metrics(metrics: dict) -> str:
+    return " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                    for k, v in metrics.items())
+
+
+def format_status(s: dict, now: float | None = None) -> str:
+    now = time.time() if now is None else now
+    where = f"epoch {s['epoch']}/{s['epochs']}, step {s['step']}"
+    live = s.get("live")
+    if live and live.get("batch") is not None:
+        spe = live.get("steps_per_epoch")
+        where += f" (in epoch {live['epoch'] + 1}: batch {live['batch']}" + \
+                 (f"/{spe})" if spe else ")")
+    lines = [f"run {s['name']} ({s['run_dir']}): {s['state'].upper()}",
+             f"  {where}; attempt {s['attempt']}"]
+    kinds = ", ".join(f"{k} {n}" for k, n in s["restarts_by_kind"].items())
+    lines.append(f"  restarts: {s['restarts']}" + (f" ({kinds})" if kinds else "") +
+                 f"; failed attempts: {s['failed_attempts']}")
+    if s["goodput"] is not None:
+        lost = ", ".join(f"{k} {fmt_duration(v)}" for k, v in s["time_by_cause_s"].items()
+                         if k not in timeline.NOT_LOST and v >= 0.5)
+        lines.append(f"  goodput: {s['goodput']:.1%} (useful {fmt_duration(s['useful_s'])} of "
+                     f"{fmt_duration(s['wall_s'])} supervised); lost to faults: "
+                     f"{fmt_duration(s['lost_to_faults_s'])}" + (f" [{lost}]" if lost else ""))
+    for tier, c in s["checkpoints_by_tier"].items():
+        if c is None:
+            lines.append(f"  last checkpoint ({tier}): none")
+            continue
+        age = f", {fmt_duration(now - c['committed_at'])} ago" if c.get("committed_at") else ""
+        lines.append(f"  last checkpoint ({tier}): epoch {c['epoch']}, step {c['step']}{age}")
     if s["metrics"]:
-        lines.append("  last metrics: " + " ".join(f"{k}={v:.4g}" if isinstance(v, float)
-                                                   else f"{k}={v}"
-                                                   for k, v in s["metrics"].items()))
+        lines.append("  last metrics: " + fmt_metrics(s["metrics"]))
     if s["last_error"]:
-        e = s["last_error"]
-        msg = (e.get("message") or "").strip().splitlines()
-        lines.append(f"  last error: {e.get('type')}: {msg[0] if msg else ''}")
+        lines.append(f"  last error: {s['last_error']}")
+    if s.get("failure"):
+        lines.append(f"  failed: {s['failure'].get('reason')}")
     if s["weights_sha256"]:
         lines.append(f"  weights sha256: {s['weights_sha256']}")
     return "\n".join(lines)

@@ -28,8 +28,10 @@ from .checkpoints import CheckpointStore
 from .journal import Journal
 from .lock import RunLock
 from .osutil import pid_alive, read_json, write_json_atomic
+from .progress import Progress
 from .rundir import EXIT_CONFIG, RunDir
 from .spec import JobSpec
+from .timeline import kind_of
 
 LOCK_REFRESH_S = 5.0
 STOP_GRACE_S = 10.0
@@ -41,6 +43,10 @@ class AttemptFailed(Exception):
     exit_code: int
     error: dict | None
     duration: float
+
+    @property
+    def kind(self) -> str:
+        return kind_of({"exit_code": self.exit_code}) or "unknown"
 
     @property
     def fatal(self) -> bool:
@@ -100,6 +106,7 @@ class Supervisor:
         self._journaled_epochs: set[int] = set()
         self._journaled_ckpts: set[int] = set()
         self.restarts = 0
+        self.progress = Progress(self.out, self.rd.root, spec.epochs, spec.restarts.max)
 
     # ------------------------------------------------------------------ public
     def run(self) -> int:
@@ -109,6 +116,7 @@ class Supervisor:
         observer = None
         old_handlers = self._install_signal_handlers()
         try:
+            self.progress.start()
             self._open_run(stale)
             observer = Observer()
             observer.schedule(_CheckpointEvents(self.q), self.rd.checkpoints, recursive=False)
@@ -125,6 +133,7 @@ class Supervisor:
             return 130
         finally:
             self._stop_worker()
+            self.progress.stop()
             if observer is not None:
                 observer.stop()
                 observer.join(timeout=5)
@@ -132,7 +141,7 @@ class Supervisor:
             self.lock.release()
 
     def say(self, msg: str) -> None:
-        print(f"[orchestrator] {msg}", file=self.out, flush=True)
+        self.progress.say(msg)
 
     # ------------------------------------------------------------------ run lifecycle
     def _open_run(self, stale: dict | None) -> None:
@@ -194,8 +203,9 @@ class Supervisor:
         self.restarts += 1
         self.journal.append("restart", after_attempt=failure.attempt, delay_s=round(delay, 3),
                             restart=self.restarts, budget=self.spec.restarts.max)
-        self.say(f"{failure.describe()}; restarting in {delay:.1f} s "
-                 f"(restart {self.restarts} of {self.spec.restarts.max})")
+        self.progress.restarted(self.restarts, failure.attempt, failure.kind, failure.describe(),
+                                f"restarting in {delay:.1f} s "
+                                f"(restart {self.restarts} of {self.spec.restarts.max})")
 
     def _sleep(self, seconds: float) -> None:
         if self._stop.wait(seconds):
@@ -214,6 +224,7 @@ class Supervisor:
         proc = self.proc
         self.journal.append("attempt_started", attempt=n, pid=proc.pid, host=os.uname().nodename,
                             from_epoch=self._latest_epoch(), log=self.rd.attempt_log(n))
+        self.progress.attempt_started(n, self._latest_epoch())
         threading.Thread(target=lambda: self.q.put(("exit", proc, proc.wait())),
                          name=f"wait-attempt-{n}", daemon=True).start()
         rc = self._wait(proc)
@@ -265,8 +276,9 @@ class Supervisor:
                 self.journal.append("epoch_completed", epoch=e, metrics=metrics,
                                     attempt=c.manifest.get("attempt"))
                 self._journaled_epochs.add(e)
-                self.say(f"epoch {e}/{self.spec.epochs} {_fmt_metrics(metrics)}"
-                         f" (attempt {c.manifest.get('attempt')})")
+                self.progress.epoch_completed(e, metrics, c.manifest.get("attempt"),
+                                              c.step if e == c.epoch else None,
+                                              c.manifest.get("committed_at"))
             self.journal.append("checkpoint_committed", epoch=c.epoch, step=c.step,
                                 path=c.path, weights_sha256=c.manifest.get("weights_sha256"))
             self._journaled_ckpts.add(c.step)
@@ -296,7 +308,7 @@ class Supervisor:
         self.journal.append("run_failed", reason=reason, last_attempt=failure.attempt,
                             exit_code=failure.exit_code, error=_summary(failure.error),
                             epoch=self._latest_epoch(), restarts=self.restarts)
-        self.say(f"{failure.describe()}")
+        self.progress.fault(f"FAULT {failure.kind}: {failure.describe()} -> giving up")
         self.say(f"run '{self.spec.name}' FAILED at epoch {self._latest_epoch()}/"
                  f"{self.spec.epochs}: {reason}. Log: {self.rd.attempt_log(failure.attempt)}")
         return 1
@@ -343,9 +355,4 @@ def _summary(error: dict | None) -> dict | None:
     if not error:
         return None
     return {k: error.get(k) for k in ("type", "message", "epoch", "batch") if k in error}
-
-
-def _fmt_metrics(metrics: dict) -> str:
-    return " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                    for k, v in metrics.items())
 

@@ -5,7 +5,10 @@ plan in $FAKE_PLAN (JSON) says, per attempt number:
   {"epoch_s": 0.05,
    "exit": {"1": 1},            attempt 1 exits with code 1 right after start
    "exit_at_epoch": {"2": [3, -9]}, attempt 2 SIGKILLs itself when epoch 3 would begin
-   "sleep_forever": ["3"]}       attempt 3 never finishes
+   "sleep_forever": ["3"],      attempt 3 never finishes
+   "batches": 5}                heartbeats per epoch, as the real worker's batches
+Like the real worker it journals ``worker_ready`` (with steps_per_epoch) and ``first_step``,
+beats ``heartbeat.json`` with epoch/batch, and prints TensorFlow-like log noise to its output.
 """
 import argparse
 import json
@@ -15,6 +18,8 @@ import sys
 import time
 
 from orchestrator.checkpoints import CheckpointStore
+from orchestrator.heartbeat import HeartbeatWriter
+from orchestrator.journal import Journal
 from orchestrator.osutil import write_json_atomic
 from orchestrator.rundir import RunDir
 from orchestrator.spec import load
@@ -32,6 +37,8 @@ def main():
     rd = RunDir(spec.run_dir)
     with open(os.path.join(rd.root, f"fake-{n}.pid"), "w") as f:
         f.write(str(os.getpid()))
+    print("2026-01-01 00:00:00.000000: I tensorflow/core/util/port.cc:153] oneDNN custom "
+          "operations are on.", file=sys.stderr, flush=True)
     if n in plan.get("exit", {}):
         code = plan["exit"][n]
         write_json_atomic(rd.error_record(a.attempt), {
@@ -46,12 +53,21 @@ def main():
     start = latest.epoch if latest else 0
     history = latest.manifest.get("history", []) if latest else []
     stop = plan.get("exit_at_epoch", {}).get(n)
+    batches = int(plan.get("batches", 1))
+    journal = Journal(rd.journal)
+    heart = HeartbeatWriter(rd.root, a.attempt, interval=0.0)
+    journal.append("worker_ready", source="worker", attempt=a.attempt, strategy="fake",
+                   steps_per_epoch=batches, resumed_from_epoch=start)
     for epoch in range(start + 1, spec.epochs + 1):
         if stop and epoch == stop[0]:
             if stop[1] < 0:
                 os.kill(os.getpid(), -stop[1])
             sys.exit(stop[1])
-        time.sleep(plan.get("epoch_s", 0.02))
+        for b in range(1, batches + 1):
+            time.sleep(plan.get("epoch_s", 0.02) / batches)
+            if epoch == start + 1 and b == 1:
+                journal.append("first_step", source="worker", attempt=a.attempt)
+            heart.beat(phase="training", epoch=epoch - 1, batch=b)
         history.append({"epoch": epoch, "loss": 1.0 / epoch})
 
         def payload(d, epoch=epoch):
