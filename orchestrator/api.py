@@ -1,10 +1,28 @@
-"""The notebook and CLI entry point: ``orchestrator.run("job.yaml")``."""
+"""The notebook and CLI entry point: ``orchestrator.run("job.yaml")``.
+
+In a notebook the supervisor runs in the kernel: its progress goes to the cell (a live bar,
+since ipykernel's stream renders carriage returns), and interrupting the cell (SIGINT) stops
+the worker's whole process group cleanly, journals the stop and then raises KeyboardInterrupt,
+as any interrupted call does, so that "run all" stops there. Running the cell again resumes.
+"""
 from __future__ import annotations
 
+import signal
+
+from .rundir import EXIT_STOPPED
 from .spec import load
 from .supervisor import Supervisor
 
 
-def run(job: str, run_dir: str | None = None) -> int:
-    """Start or resume the run of ``job``; return 0 when it completed, non-zero otherwise."""
-    return Supervisor(load(job, run_dir=run_dir)).run()
+def run(job: str, run_dir: str | None = None, raise_on_interrupt: bool = True) -> int:
+    """Start or resume the run of ``job``; return 0 when it completed, non-zero otherwise.
+
+    With ``raise_on_interrupt`` (the notebook's default), a SIGINT (cell interrupt, Ctrl-C)
+    raises KeyboardInterrupt once the worker is stopped; otherwise it returns 130.
+    """
+    sup = Supervisor(load(job, run_dir=run_dir))
+    rc = sup.run()
+    if rc == EXIT_STOPPED and raise_on_interrupt and sup.stop_signal == signal.SIGINT:
+        raise KeyboardInterrupt("orchestrator: the worker was stopped; run the cell again "
+                                "to resume")
+    return rc

@@ -15,7 +15,7 @@ EXIT_LOCKED = 3
 def _cmd_run(args) -> int:
     from .api import run
 
-    return run(args.job, run_dir=args.run_dir)
+    return run(args.job, run_dir=args.run_dir, raise_on_interrupt=False)
 
 
 def _cmd_status(args) -> int:
@@ -48,6 +48,14 @@ def _cmd_report(args) -> int:
     return 0
 
 
+def _cmd_doctor(args) -> int:
+    from . import doctor
+
+    checks = doctor.run(args.job, args.run_dir, run_probe=not args.no_probe)
+    print(doctor.as_json(checks) if args.json else doctor.format_checks(checks))
+    return 1 if doctor.would_fail(checks) else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="orchestrator",
                                 description="Resilient Keras training on preemptible runtimes.")
@@ -64,6 +72,13 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("run_dir")
     rp.add_argument("-o", "--out", help="output folder (default RUN_DIR/report)")
     rp.set_defaults(func=_cmd_report)
+    d = sub.add_parser("doctor", help="check this runtime; exit 1 when a run would fail")
+    d.add_argument("job", nargs="?", help="the job's YAML file (its run_dir and strategy)")
+    d.add_argument("--run-dir", help="the run directory to check (default: the job's, or .)")
+    d.add_argument("--no-probe", action="store_true",
+                   help="do not import TensorFlow in a probe process (faster, less certain)")
+    d.add_argument("--json", action="store_true", help="machine-readable output")
+    d.set_defaults(func=_cmd_doctor)
     return p
 
 

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 # The worker's exit code for "this will fail the same way again" (configuration, job code,
 # missing TensorFlow): the supervisor does not spend restarts on it. sysexits' EX_CONFIG.
 EXIT_CONFIG = 78
+# `orchestrator run` stopped by a signal; the run is resumable (128 + SIGINT, as shells do).
+EXIT_STOPPED = 130
 
 
 @dataclass(frozen=True)

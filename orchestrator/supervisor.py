@@ -29,7 +29,7 @@ from .journal import Journal
 from .lock import RunLock
 from .osutil import pid_alive, read_json, write_json_atomic
 from .progress import Progress
-from .rundir import EXIT_CONFIG, RunDir
+from .rundir import EXIT_CONFIG, EXIT_STOPPED, RunDir
 from .spec import JobSpec
 from .timeline import kind_of
 
@@ -103,6 +103,7 @@ class Supervisor:
         self.q: queue.Queue = queue.Queue()
         self.proc: subprocess.Popen | None = None
         self._stop = threading.Event()
+        self.stop_signal: int | None = None  # what stopped us: SIGINT is a cell interrupt
         self._journaled_epochs: set[int] = set()
         self._journaled_ckpts: set[int] = set()
         self.restarts = 0
@@ -126,11 +127,13 @@ class Supervisor:
             return self._finish()
         except AttemptFailed as failure:
             return self._give_up(failure)
-        except (Stopped, KeyboardInterrupt):
+        except (Stopped, KeyboardInterrupt) as exc:
+            if isinstance(exc, KeyboardInterrupt):
+                self.stop_signal = signal.SIGINT
             self._stop_worker()
             self.journal.append("supervisor_stopped", reason="signal")
             self.say("stopped; the run resumes when `orchestrator run` is started again")
-            return 130
+            return EXIT_STOPPED
         finally:
             self._stop_worker()
             self.progress.stop()
@@ -334,6 +337,7 @@ class Supervisor:
             return None
 
         def handler(signum, frame):
+            self.stop_signal = signum
             self._stop.set()
             self.q.put(("stop",))
 

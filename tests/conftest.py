@@ -50,3 +50,17 @@ def fake_env(plan: dict) -> dict:
     env = dict(os.environ, FAKE_PLAN=json.dumps(plan))
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     return env
+
+
+def supervise(job, plan, out=None):
+    """Run the real supervisor with the fake worker; return (rc, its output, journal events)."""
+    import io
+
+    from orchestrator.journal import Journal
+    from orchestrator.spec import load
+    from orchestrator.supervisor import Supervisor
+
+    out = out if out is not None else io.StringIO()
+    sup = Supervisor(load(job), worker_cmd=fake_worker_cmd, out=out, env=fake_env(plan))
+    rc = sup.run()
+    return rc, out.getvalue(), Journal(sup.rd.journal).events()

@@ -1,23 +1,17 @@
 """Supervisor logic with tiny fake workers (no TensorFlow): fast and exact."""
-import io
 import os
 import signal
 import subprocess
 import sys
 import time
 
-from conftest import ROOT, fake_env, fake_worker_cmd
+from conftest import ROOT, fake_env, supervise
 from orchestrator.journal import Journal
 from orchestrator.osutil import pid_alive
-from orchestrator.spec import load
-from orchestrator.supervisor import Supervisor
 
 
-def _run(job, plan, **kw):
-    out = io.StringIO()
-    sup = Supervisor(load(job), worker_cmd=fake_worker_cmd, out=out, env=fake_env(plan), **kw)
-    rc = sup.run()
-    return rc, out.getvalue(), Journal(sup.rd.journal).events()
+def _run(job, plan):
+    return supervise(job, plan)
 
 
 def _epochs(events):
