@@ -64,3 +64,21 @@ def supervise(job, plan, out=None):
     sup = Supervisor(load(job), worker_cmd=fake_worker_cmd, out=out, env=fake_env(plan))
     rc = sup.run()
     return rc, out.getvalue(), Journal(sup.rd.journal).events()
+
+
+@pytest.fixture
+def finished_run(fake_job, tmp_path):
+    """A run dir written by the real supervisor: attempt 1 SIGKILLed at epoch 3, then done."""
+    plan = {"exit_at_epoch": {"1": [3, -9]}, "batches": 3, "epoch_s": 0.2}
+    rc, _, _ = supervise(fake_job(epochs=5), plan)
+    assert rc == 0
+    return str(tmp_path / "run")
+
+
+@pytest.fixture
+def failed_run(fake_job, tmp_path):
+    """A run dir written by the real supervisor: every attempt fails, the budget (2) is spent."""
+    rc, _, _ = supervise(fake_job(epochs=4, restarts="{max: 2, backoff: {initial: 0.01}}"),
+                         {"exit": {str(n): 1 for n in range(1, 10)}})
+    assert rc == 1
+    return str(tmp_path / "run")

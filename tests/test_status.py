@@ -5,28 +5,9 @@ import os
 
 import pytest
 
-from conftest import supervise
 from orchestrator import cli, timeline
 from orchestrator.journal import Journal
 from orchestrator.status import format_status, run_status
-
-KILL_THEN_FINISH = {"exit_at_epoch": {"1": [3, -9]}, "batches": 3, "epoch_s": 0.05}
-ALWAYS_FAILS = {"exit": {str(n): 1 for n in range(1, 10)}}
-
-
-@pytest.fixture
-def finished_run(fake_job, tmp_path):
-    rc, _, _ = supervise(fake_job(epochs=5), KILL_THEN_FINISH)
-    assert rc == 0
-    return str(tmp_path / "run")
-
-
-@pytest.fixture
-def failed_run(fake_job, tmp_path):
-    rc, _, _ = supervise(fake_job(epochs=4, restarts="{max: 2, backoff: {initial: 0.01}}"),
-                         ALWAYS_FAILS)
-    assert rc == 1
-    return str(tmp_path / "run")
 
 
 def test_status_of_a_finished_run(finished_run, capsys):

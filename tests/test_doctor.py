@@ -1,0 +1,143 @@
+"""`orchestrator doctor`: each check's verdict on runtimes made to order, and the exit status."""
+import json
+import os
+import socket
+import stat
+import sys
+
+import pytest
+
+from orchestrator import cli, doctor, probes
+from orchestrator.doctor import FAIL, OK, WARN
+
+
+def _levels(checks):
+    return {c.name: c.level for c in checks}
+
+
+def test_tensorflow_checks():
+    c = doctor.check_tensorflow({}, None, wants_tpu=False)
+    assert c[0].level == FAIL and "no TensorFlow distribution" in c[0].detail
+    both = doctor.check_tensorflow({"tensorflow": "2.19.0", "tensorflow-tpu": "2.19.0"},
+                                   {"version": "2.19.0", "tpu_kernels": False}, wants_tpu=True)
+    assert _levels(both) == {"tensorflow": FAIL, "tensorflow import": OK, "tpu kernels": FAIL}
+    assert "several TensorFlow distributions" in both[0].detail
+    assert "ConfigureDistributedTPU" in both[2].detail
+    tpu = doctor.check_tensorflow({"tensorflow-tpu": "2.19.0"},
+                                  {"version": "2.19.0", "tpu_kernels": True}, wants_tpu=True)
+    assert _levels(tpu) == {"tensorflow": OK, "tensorflow import": OK, "tpu kernels": OK}
+    broken = doctor.check_tensorflow({"tensorflow": "2.19.0"},
+                                     {"error": "ImportError: libcudart.so.12"}, wants_tpu=False)
+    assert broken[-1].level == FAIL and "libcudart" in broken[-1].detail
+    # without the probe, the TPU kernels are judged by the distributions installed
+    static = doctor.check_tensorflow({"tensorflow-cpu": "2.21.0"}, None, wants_tpu=True)
+    assert static[-1].level == FAIL and "probe skipped" in static[-1].detail
+
+
+def test_accelerator_checks():
+    cpu = probes.ProbeResult("cpu", "ok", "2 CPU(s)")
+    assert doctor.check_accelerator(cpu, "auto", None)[0].level == OK
+    assert doctor.check_accelerator(cpu, "tpu", None)[0].level == FAIL
+    dead = probes.ProbeResult("tpu_node", "unavailable", "10.0.0.2:8470: timed out")
+    assert doctor.check_accelerator(dead, "auto", None)[0].level == FAIL
+    assert doctor.check_accelerator(dead, "cpu", None)[0].level == WARN
+    gpu = probes.ProbeResult("gpu", "ok", "0, Tesla T4, 0, 15360")
+    checks = doctor.check_accelerator(gpu, "auto", {"gpus": 0})
+    assert _levels(checks) == {"accelerator": OK, "tensorflow gpu": WARN}
+    assert doctor.check_accelerator(gpu, "gpu", {"gpus": 0})[1].level == FAIL
+    assert len(doctor.check_accelerator(gpu, "gpu", {"gpus": 1})) == 1
+
+
+def test_find_accelerator_tpu_node_answers_or_not():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        port = s.getsockname()[1]
+        found = doctor.find_accelerator({"COLAB_TPU_ADDR": f"127.0.0.1:{port}", "PATH": ""})
+        assert (found.accelerator, found.state) == ("tpu_node", "ok")
+    found = doctor.find_accelerator({"COLAB_TPU_ADDR": f"127.0.0.1:{port}", "PATH": ""})
+    assert (found.accelerator, found.state) == ("tpu_node", "unavailable")
+
+
+def _fake_nvidia_smi(tmp_path, code, text):
+    d = tmp_path / "bin"
+    d.mkdir(exist_ok=True)
+    exe = d / "nvidia-smi"
+    exe.write_text(f'#!/bin/sh\necho "{text}"\nexit {code}\n')
+    exe.chmod(exe.stat().st_mode | stat.S_IEXEC)
+    return {"PATH": str(d)}
+
+
+def test_find_accelerator_gpu(tmp_path, monkeypatch):
+    monkeypatch.setattr(probes, "TPU_DEVICE_GLOBS", ())  # whatever this machine has
+    found = doctor.find_accelerator(_fake_nvidia_smi(tmp_path, 0, "0, Tesla T4, 3, 15360"))
+    assert (found.accelerator, found.state) == ("gpu", "ok") and "Tesla T4" in found.detail
+    found = doctor.find_accelerator(_fake_nvidia_smi(
+        tmp_path, 9, "NVIDIA-SMI has failed because it couldn't communicate with the driver"))
+    assert (found.accelerator, found.state) == ("gpu", "unavailable")
+    assert "couldn't communicate" in found.detail
+
+
+def test_run_dir_checks(tmp_path):
+    drive = str(tmp_path / "drive")
+    c = doctor.check_run_dir(f"{drive}/MyDrive/run", {}, drive_root=drive,
+                             ismount=lambda p: False)
+    assert len(c) == 1 and c[0].level == FAIL and "not mounted" in c[0].detail
+    os.makedirs(drive)
+    c = doctor.check_run_dir(f"{drive}/MyDrive/run", {}, drive_root=drive,
+                             ismount=lambda p: p == drive)
+    assert _levels(c) == {"run dir": OK, "writable": OK, "disk": _levels(c)["disk"]}
+    assert "mounted Drive" in c[0].detail
+    c = doctor.check_run_dir(str(tmp_path / "local"), {"COLAB_RELEASE_TAG": "release"},
+                             drive_root=drive, ismount=lambda p: True)
+    assert c[0].level == WARN and "lost when the runtime is recycled" in c[0].detail
+    (tmp_path / "a-file").write_text("x")
+    c = doctor.check_run_dir(str(tmp_path / "a-file" / "run"), {}, drive_root=drive)
+    assert _levels(c)["writable"] == FAIL
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".orchestrator-doctor")]
+
+
+def test_memory_and_pip(tmp_path):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       13290460 kB\nMemAvailable:     524288 kB\n")
+    m = doctor.check_memory(str(meminfo))
+    assert m.level == WARN and m.detail.startswith("0.5 GiB available of 12.7 GiB")
+    assert doctor.check_pip().level == OK
+    nopip = tmp_path / "python-without-pip"
+    nopip.write_text("#!/bin/sh\necho 'No module named pip' >&2\nexit 1\n")
+    nopip.chmod(0o755)
+    p = doctor.check_pip(str(nopip))
+    assert p.level == WARN and "reinstall action" in p.detail
+
+
+def test_cli_exit_status_and_json(tmp_path, write_job, capsys):
+    assert cli.main(["doctor", "--no-probe", "--run-dir", str(tmp_path / "run")]) == 0
+    out = capsys.readouterr().out
+    assert "nothing here would stop a run" in out
+    assert cli.main(["doctor", "--no-probe", "--json", "--run-dir",
+                     str(tmp_path / "f" / "run")]) == 0
+    j = json.loads(capsys.readouterr().out)
+    assert j["would_fail"] is False and {c["name"] for c in j["checks"]} >= {
+        "python", "tensorflow", "accelerator", "run dir", "writable", "disk", "memory", "pip"}
+    (tmp_path / "f2").write_text("not a dir")
+    assert cli.main(["doctor", "--no-probe", "--run-dir", str(tmp_path / "f2" / "run")]) == 1
+    assert "a run would FAIL: fix writable" in capsys.readouterr().out
+    bad = write_job("name: x\nepochs: many\n", name="bad.yaml")
+    assert cli.main(["doctor", "--no-probe", bad]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL  job" in out and "bad.yaml: key '" in out
+
+
+def test_no_tensorflow_in_this_process():
+    doctor.run(None, os.getcwd(), run_probe=False)
+    assert not [m for m in sys.modules if m.split(".")[0] in ("tensorflow", "keras")]
+
+
+@pytest.mark.e2e
+def test_tensorflow_probe_in_a_fresh_process():
+    import importlib.metadata
+
+    probe = doctor.tensorflow_probe()
+    assert probe.get("error") is None, probe
+    assert probe["version"] == importlib.metadata.version("tensorflow-cpu")
+    assert probe["tpu_kernels"] is False and probe["gpus"] == 0

@@ -1,0 +1,63 @@
+"""Live progress: one line per epoch with attempt/restarts/checkpoint/ETA, faults that stand out,
+a bar within the epoch only on a terminal or in a notebook, and no worker noise."""
+import io
+import re
+
+from conftest import supervise
+from orchestrator.progress import Progress, is_interactive, render_bar
+
+KILL_THEN_FINISH = {"exit_at_epoch": {"1": [3, -9]}, "batches": 4, "epoch_s": 0.05}
+
+
+class FakeTerminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_plain_output_has_one_line_per_epoch_and_a_fault_line(fake_job, tmp_path):
+    rc, out, _ = supervise(fake_job(epochs=5), KILL_THEN_FINISH)
+    assert rc == 0
+    lines = out.splitlines()
+    epoch_lines = [ln for ln in lines if re.match(r"\[orchestrator\] epoch \d/5 ", ln)]
+    assert [ln.split()[2] for ln in epoch_lines] == ["1/5", "2/5", "3/5", "4/5", "5/5"]
+    assert epoch_lines[0] == ("[orchestrator] epoch 1/5 loss=1 | attempt 1, 0 restart(s), "
+                              "checkpoint epoch 1 (step 10)")
+    assert re.fullmatch(r"\[orchestrator\] epoch 4/5 loss=0.25 \| attempt 2, 1 restart\(s\), "
+                        r"checkpoint epoch 4 \(step 40\), ETA \d+\.\ds", epoch_lines[3])
+    faults = [ln for ln in lines if "!!" in ln]
+    assert len(faults) == 1 and re.fullmatch(
+        r"\[orchestrator\] !! FAULT killed: attempt 1 failed after [\d.]+ s \(killed by "
+        r"SIGKILL\) -> restarting in 0.0 s \(restart 1 of 2\)", faults[0])
+    assert "\r" not in out and "\x1b[" not in out  # no bar, no colour in a log file
+    assert "oneDNN" not in out  # the worker's noise stays in its attempt log
+    assert "oneDNN" in (tmp_path / "run" / "attempts" / "1.log").read_text()
+
+
+def test_a_terminal_gets_a_bar_within_the_epoch_and_red_faults(fake_job):
+    term = FakeTerminal()
+    plan = {"exit_at_epoch": {"1": [2, -9]}, "batches": 8, "epoch_s": 1.6}
+    rc, out, _ = supervise(fake_job(epochs=2), plan, out=term)
+    assert rc == 0
+    bars = re.findall(r"\r(\[orchestrator\] epoch \d/2 \[[#.]+\] \d/8[^\r\n]*)", out)
+    assert bars, out
+    assert any("batch/s, epoch ETA" in b for b in bars), bars
+    assert "\x1b[1m\x1b[31m[orchestrator] !! FAULT killed" in out
+    # a line never continues a bar: the bar is wiped (\r, blanks, \r) before each line
+    assert not re.search(r"\d/8[^\r\n]*\[orchestrator\]", out)
+    assert re.search(r"\r {40,}\r\[orchestrator\] epoch 2/2 loss", out)
+
+
+def test_render_bar_and_eta():
+    assert render_bar(3, 10, 6, 24, 2.0) == (
+        "[orchestrator] epoch 3/10 [######..................] 6/24 2.0 batch/s, epoch ETA 9.0s")
+    assert render_bar(1, 2, 7, None, None) == "[orchestrator] epoch 1/2 batch 7"
+    p = Progress(io.StringIO(), "/nonexistent", epochs=10, budget=3, interactive=False)
+    assert p.eta(1) is None
+    for t, e, a in ((100, 1, 1), (110, 2, 1), (130, 3, 1), (500, 4, 2)):
+        p._commits.append((t, e, a))
+    assert p.eta(4) == 6 * 15.0  # mean of 10 s and 20 s an epoch within attempt 1
+
+
+def test_is_interactive():
+    assert not is_interactive(io.StringIO())
+    assert is_interactive(FakeTerminal())
