@@ -124,7 +124,7 @@ class Progress:
         for (t0, e0, a0), (t1, e1, a1) in zip(self._commits, self._commits[1:]):
             if a0 == a1 and e1 > e0 and t1 > t0:
                 rates.append((t1 - t0) / (e1 - e0))
-        if not rates:
+        if not rates or done >= self.epochs:
             return None
         recent = rates[-5:]
         return max(0.0, self.epochs - done) * sum(recent) / len(recent)
@@ -132,8 +132,8 @@ class Progress:
     # ------------------------------------------------------------------ the bar
     def _on_heartbeat(self) -> None:
         hb = heartbeat.read(self.run_dir)
-        if not hb or hb.get("attempt") != self.attempt or hb.get("batch") is None:
-            return
+        if not hb or hb.get("attempt") != self.attempt or not hb.get("batch"):
+            return  # batch 0: between epochs, the epoch line says it all
         now = time.time()
         if now - self._last_draw < REDRAW_S:
             return

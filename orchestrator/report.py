@@ -120,11 +120,11 @@ def _curves(Figure, tl: timeline.Timeline):
             ax.axvline(a.from_epoch + 0.5, color=FAULT_COLOUR, linestyle=":", linewidth=1.5)
             if ax is axes[0]:
                 label = f"attempt {a.n}" + (f" after {prev.kind}" if prev and prev.kind else "")
-                ax.text(a.from_epoch + 0.55, 1.0, label, transform=ax.get_xaxis_transform(),
+                ax.text(a.from_epoch + 0.55, 0.97, label, transform=ax.get_xaxis_transform(),
                         va="top", fontsize=8, color=FAULT_COLOUR)
         ax.set_ylabel(base)
         ax.grid(alpha=0.3)
-        ax.legend(loc="upper right", fontsize=8)
+        ax.legend(loc="best", fontsize=8)
     axes[-1].set_xlabel("epoch (marker colour: attempt that trained it; dotted: restart)")
     axes[-1].xaxis.set_major_locator(MaxNLocator(integer=True))
     fig.suptitle("training curves across attempts", fontsize=10)

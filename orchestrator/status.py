@@ -156,11 +156,12 @@ def format_status(s: dict, now: float | None = None) -> str:
     lines.append(f"  restarts: {s['restarts']}" + (f" ({kinds})" if kinds else "") +
                  f"; failed attempts: {s['failed_attempts']}")
     if s["goodput"] is not None:
-        lost = ", ".join(f"{k} {fmt_duration(v)}" for k, v in s["time_by_cause_s"].items()
-                         if k not in timeline.NOT_LOST and v >= 0.5)
+        lost = ", ".join(f"{k} {fmt_duration(v)}" for k, v in s["time_by_cause_s"].items())
         lines.append(f"  goodput: {s['goodput']:.1%} (useful {fmt_duration(s['useful_s'])} of "
                      f"{fmt_duration(s['wall_s'])} supervised); lost to faults: "
-                     f"{fmt_duration(s['lost_to_faults_s'])}" + (f" [{lost}]" if lost else ""))
+                     f"{fmt_duration(s['lost_to_faults_s'])}")
+        if lost:
+            lines.append(f"  time by cause: {lost}")
     for tier, c in s["checkpoints_by_tier"].items():
         if c is None:
             lines.append(f"  last checkpoint ({tier}): none")
