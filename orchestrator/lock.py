@@ -38,7 +38,7 @@ class RunLock:
                 fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             except FileExistsError:
                 current = read_json(self.path)
-                reason = self._stale_reason(current)
+                reason = self.stale_reason(current)
                 if reason is None:
                     o = current or {}
                     age = time.time() - float(o.get("refreshed", o.get("started", 0)) or 0)
@@ -74,7 +74,8 @@ class RunLock:
             os.remove(self.path)
         self.held = False
 
-    def _stale_reason(self, current: dict | None) -> str | None:
+    def stale_reason(self, current: dict | None) -> str | None:
+        """Why the lock ``current`` may be taken over, or None while its owner lives."""
         if not current:
             try:  # an owner may be between creating the file and writing it
                 fresh = time.time() - os.path.getmtime(self.path) < 5

@@ -12,8 +12,8 @@ import time
 from . import heartbeat, timeline
 from .checkpoints import CheckpointStore
 from .journal import Journal
-from .lock import FILE as LOCK_FILE
-from .osutil import pid_alive, read_json
+from .lock import FILE as LOCK_FILE, RunLock
+from .osutil import read_json
 from .rundir import RunDir
 
 
@@ -23,10 +23,8 @@ def load_run(run_dir: str):
     if not os.path.isfile(rd.journal):
         raise FileNotFoundError(f"{run_dir}: not a run directory (no events.jsonl)")
     lock = read_json(os.path.join(rd.root, LOCK_FILE))
-    here = os.uname().nodename
-    owner_alive = bool(lock and lock.get("host") == here
-                       and pid_alive(int(lock.get("pid", 0) or 0)))
-    running = bool(lock and (owner_alive or lock.get("host") != here))
+    # a live owner, or one on another host not yet silent for long (a recycled VM's is)
+    running = lock is not None and RunLock(rd.root).stale_reason(lock) is None
     return rd, Journal(rd.journal).events(), running
 
 

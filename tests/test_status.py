@@ -162,3 +162,15 @@ def test_a_running_run_counts_uncommitted_training_as_in_progress(tmp_path):
     assert tl.sessions[-1].how == "running"
     assert a["by_cause_s"]["in_progress"] == 20  # 1130 (last commit) -> now
     assert a["wall_s"] == 150
+
+
+def test_a_lock_left_by_a_recycled_vm_does_not_read_as_running(tmp_path):
+    import time
+
+    path = _journal(str(tmp_path / "run"), TWO_SESSIONS[:15])
+    lock = os.path.join(path, "lock")
+    for silent_s, state in ((10, "running"), (600, "stopped")):
+        with open(lock, "w") as f:
+            json.dump({"host": "another-colab-vm", "pid": 1,
+                       "refreshed": time.time() - silent_s}, f)
+        assert run_status(path)["state"] == state
