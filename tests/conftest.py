@@ -1,4 +1,5 @@
 import os
+import subprocess
 import sys
 import textwrap
 
@@ -82,3 +83,15 @@ def failed_run(fake_job, tmp_path):
                          {"exit": {str(n): 1 for n in range(1, 10)}})
     assert rc == 1
     return str(tmp_path / "run")
+
+
+def supervisor_process(job, plan):
+    """The real supervisor with the fake worker, in its own process (to signal or kill it)."""
+    code = ("import sys; sys.path.insert(0, %r); sys.path.insert(0, %r)\n"
+            "from conftest import fake_worker_cmd\n"
+            "from orchestrator.spec import load\n"
+            "from orchestrator.supervisor import Supervisor\n"
+            "sys.exit(Supervisor(load(%r), worker_cmd=fake_worker_cmd).run())\n"
+            % (os.path.join(ROOT, "tests"), ROOT, job))
+    return subprocess.Popen([sys.executable, "-c", code], env=fake_env(plan),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

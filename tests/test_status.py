@@ -2,8 +2,12 @@
 fake worker, and on hand-written journals with the fields later supervisors add."""
 import json
 import os
+import signal
+import time
 
 import pytest
+
+from conftest import supervisor_process
 
 from orchestrator import cli, timeline
 from orchestrator.journal import Journal
@@ -165,8 +169,6 @@ def test_a_running_run_counts_uncommitted_training_as_in_progress(tmp_path):
 
 
 def test_a_lock_left_by_a_recycled_vm_does_not_read_as_running(tmp_path):
-    import time
-
     path = _journal(str(tmp_path / "run"), TWO_SESSIONS[:15])
     lock = os.path.join(path, "lock")
     for silent_s, state in ((10, "running"), (600, "stopped")):
@@ -174,3 +176,26 @@ def test_a_lock_left_by_a_recycled_vm_does_not_read_as_running(tmp_path):
             json.dump({"host": "another-colab-vm", "pid": 1,
                        "refreshed": time.time() - silent_s}, f)
         assert run_status(path)["state"] == state
+
+
+def test_status_of_a_running_run_shows_where_the_worker_is(fake_job, tmp_path, capsys):
+    job = fake_job(epochs=3)
+    p = supervisor_process(job, {"epoch_s": 60, "batches": 600})
+    try:
+        hb = tmp_path / "run" / "heartbeat.json"
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            if hb.exists() and json.loads(hb.read_text() or "{}").get("batch", 0) >= 2:
+                break
+            time.sleep(0.1)
+        s = run_status(str(tmp_path / "run"))
+        assert s["state"] == "running" and s["attempt"] == 1
+        assert s["live"]["epoch"] == 0 and s["live"]["batch"] >= 2
+        assert s["live"]["steps_per_epoch"] == 600
+        assert s["time_by_cause_s"].get("in_progress", 0) > 0 and s["goodput"] == 0.0
+        assert cli.main(["status", str(tmp_path / "run")]) == 0
+        assert "RUNNING" in capsys.readouterr().out
+    finally:
+        p.send_signal(signal.SIGTERM)
+        p.communicate(timeout=60)
+    assert run_status(str(tmp_path / "run"))["state"] == "stopped"

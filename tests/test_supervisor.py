@@ -5,7 +5,7 @@ import subprocess
 import sys
 import time
 
-from conftest import ROOT, fake_env, supervise
+from conftest import ROOT, supervise, supervisor_process
 from orchestrator.journal import Journal
 from orchestrator.osutil import pid_alive
 
@@ -83,21 +83,10 @@ def test_second_run_of_a_completed_job_starts_no_worker(fake_job):
     assert sum(e["event"] == "run_completed" for e in events) == 1
 
 
-def _supervisor_process(job, plan):
-    code = ("import sys; sys.path.insert(0, %r); sys.path.insert(0, %r)\n"
-            "from conftest import fake_worker_cmd\n"
-            "from orchestrator.spec import load\n"
-            "from orchestrator.supervisor import Supervisor\n"
-            "sys.exit(Supervisor(load(%r), worker_cmd=fake_worker_cmd).run())\n"
-            % (os.path.join(ROOT, "tests"), ROOT, job))
-    return subprocess.Popen([sys.executable, "-c", code], env=fake_env(plan),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
 def test_supervisor_killed_then_rerun_resumes_and_stops_the_orphan(fake_job, tmp_path):
     job = fake_job(epochs=6)
     run = tmp_path / "run"
-    p = _supervisor_process(job, {"sleep_forever": ["1"]})
+    p = supervisor_process(job, {"sleep_forever": ["1"]})
     deadline = time.time() + 20
     while not (run / "fake-1.pid").exists() and time.time() < deadline:
         time.sleep(0.05)
@@ -118,7 +107,7 @@ def test_supervisor_killed_then_rerun_resumes_and_stops_the_orphan(fake_job, tmp
 def test_sigterm_stops_the_worker_group_and_keeps_the_run_resumable(fake_job, tmp_path):
     job = fake_job(epochs=3)
     run = tmp_path / "run"
-    p = _supervisor_process(job, {"sleep_forever": ["1"]})
+    p = supervisor_process(job, {"sleep_forever": ["1"]})
     deadline = time.time() + 20
     while not (run / "fake-1.pid").exists() and time.time() < deadline:
         time.sleep(0.05)
@@ -134,7 +123,8 @@ def test_sigterm_stops_the_worker_group_and_keeps_the_run_resumable(fake_job, tm
 
 def test_supervisor_side_never_imports_tensorflow():
     code = ("import sys, orchestrator, orchestrator.cli, orchestrator.supervisor, "
-            "orchestrator.status, orchestrator.api\n"
+            "orchestrator.status, orchestrator.api, orchestrator.progress, orchestrator.timeline, "
+            "orchestrator.report, orchestrator.doctor\n"
             "bad = [m for m in sys.modules if m.split('.')[0] in ('tensorflow', 'keras')]\n"
             "print(bad); sys.exit(1 if bad else 0)")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
