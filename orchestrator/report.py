@@ -172,8 +172,9 @@ def _timeline(Figure, tl: timeline.Timeline):
         x = offset(f.ts) / scale
         ax.scatter([x], [0.6], marker="v", s=70, color=FAULT_COLOUR, zorder=3)
         ax.text(x, 0.25, f.kind, fontsize=7, ha="center", va="top", color=FAULT_COLOUR)
-    for ts, ev, detail in tl.markers:
-        ax.scatter([offset(ts) / scale], [0.9], marker="x", s=30, color="#7b4173", zorder=3)
+    for i, (ts, ev, detail) in enumerate(tl.markers):
+        ax.scatter([offset(ts) / scale], [0.9], marker="x", s=30, color="#7b4173", zorder=3,
+                   label="recovery / injected fault / hang" if i == 0 else None)
     for s0, s1, base in starts[1:]:
         ax.axvline(base / scale, color="#333333", linestyle="--", linewidth=1)
     ax.set_ylim(-0.3, 3.0)

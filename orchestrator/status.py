@@ -51,7 +51,7 @@ def run_status(run_dir: str, now: float | None = None) -> dict:
     run_failed = next((e for e in reversed(events) if e["event"] == "run_failed"), None)
     return {
         "run_dir": rd.root,
-        "name": info.get("name"),
+        "name": info.get("name") or os.path.basename(rd.root),
         "state": state,
         "attempt": current.n if current else 0,
         "epoch": latest.epoch if latest else 0,

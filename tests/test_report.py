@@ -90,3 +90,18 @@ def test_report_renders_in_a_real_browser(finished_run, tmp_path):
         f.write(broken)
     img = _screenshot(os.path.join(out, "broken.html"), str(tmp_path / "broken.png"), tmp_path)
     assert all(_count(img, c) < 50 for c in colours.values())
+
+
+def test_report_of_a_journal_with_later_fields(tmp_path):
+    from test_status import TWO_SESSIONS, _journal
+
+    path = _journal(str(tmp_path / "run"), TWO_SESSIONS)
+    assert cli.main(["report", path]) == 0
+    page = open(os.path.join(path, "report", "report.html"), encoding="utf-8").read()
+    _check_self_contained(page)
+    assert "Faults and recoveries (3)" in page
+    assert "<td>out_of_memory</td><td>ResourceExhaustedError: OOM when allocating tensor</td>" \
+           "<td>halve_batch batch 64 -&gt; 32; restart in 2 s</td>" in page
+    assert "the supervisor vanished (VM recycled or killed)" in page
+    assert "away (no supervisor)</td><td>1h04m" in page
+    assert "last checkpoint (durable)</td><td>epoch 3, step 30" in page
