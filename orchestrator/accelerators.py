@@ -29,6 +29,17 @@ def tpu_address() -> str | None:
     return None
 
 
+def split_cpu(devices: str | int | None) -> None:
+    """Make the host CPU ``devices`` logical devices (before TensorFlow initialises them)."""
+    if not devices or int(devices) <= 1:
+        return
+    import tensorflow as tf
+
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(
+        cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(int(devices))])
+
+
 def resolve_strategy(kind: str):
     """Return ``(strategy, description)`` for ``kind`` in auto|tpu|gpu|cpu."""
     import tensorflow as tf

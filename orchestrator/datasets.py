@@ -3,7 +3,8 @@
 Keras shuffles with a process-local stream, so an epoch replayed after a restart would see a
 different order. Here each epoch's permutation is drawn from a stateless RNG keyed by the seed
 and the epoch number, inside the graph (TPU-safe: no Python generators), and the epochs are
-chained in one dataset that ``fit`` consumes with ``steps_per_epoch``.
+chained in one dataset that ``fit`` consumes with ``steps_per_epoch``. A run resumed in the
+middle of an epoch skips the batches that epoch already trained on.
 """
 from __future__ import annotations
 
@@ -74,8 +75,9 @@ def steps_per_epoch(num_examples: int, global_batch: int, drop_remainder: bool) 
 
 
 def train_dataset(data: JobData, seed: int, start_epoch: int, end_epoch: int, global_batch: int,
-                  drop_remainder: bool):
-    """Batches for epochs ``start_epoch .. end_epoch-1``, each in its own (seed, epoch) order."""
+                  drop_remainder: bool, skip_batches: int = 0):
+    """Batches for epochs ``start_epoch .. end_epoch-1``, each in its own (seed, epoch) order,
+    less the first ``skip_batches`` of ``start_epoch``."""
     import tensorflow as tf
 
     if isinstance(data.train, tf.data.Dataset):
@@ -95,6 +97,8 @@ def train_dataset(data: JobData, seed: int, start_epoch: int, end_epoch: int, gl
             return idx.map(lambda i: (tf.gather(x, i), tf.gather(y, i)))
 
     ds = tf.data.Dataset.range(start_epoch, end_epoch).flat_map(epoch)
+    if skip_batches:
+        ds = ds.skip(skip_batches)
     return ds.prefetch(tf.data.AUTOTUNE)
 
 
@@ -109,9 +113,10 @@ def validation_dataset(data: JobData, global_batch: int, drop_remainder: bool):
 
 
 def sample_batch(data: JobData, size: int):
-    """A few training inputs, to build a model whose variables do not exist yet."""
+    """A few training examples ``(x, y)``, to build the model's and the metrics' variables
+    before training (a checkpoint can only be restored into variables that exist)."""
     import tensorflow as tf
 
     if isinstance(data.train, tf.data.Dataset):
-        return next(iter(data.train.batch(size)))[0]
-    return data.train[0][:size]
+        return next(iter(data.train.batch(size)))
+    return data.train[0][:size], data.train[1][:size]

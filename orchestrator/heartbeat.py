@@ -19,9 +19,10 @@ class Progress:
     def __init__(self, epoch: int = 0):
         self.epoch = epoch  # epochs completed
         self.batch = 0      # batches done in the current epoch
+        self.step = 0       # training batches run in the whole run (the checkpoint key)
 
     def as_dict(self) -> dict:
-        return {"epoch": self.epoch, "batch": self.batch}
+        return {"epoch": self.epoch, "batch": self.batch, "step": self.step}
 
 
 class HeartbeatWriter:

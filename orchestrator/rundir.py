@@ -10,6 +10,10 @@ EXIT_CONFIG = 78
 # `orchestrator run` stopped by a signal; the run is resumable (128 + SIGINT, as shells do).
 EXIT_STOPPED = 130
 
+# Split the host CPU into this many logical devices before TensorFlow starts (a worker then
+# trains under a multi-replica MirroredStrategy on a CPU, as it would on 8 TPU cores): for tests.
+CPU_DEVICES_ENV = "ORCHESTRATOR_CPU_DEVICES"
+
 
 @dataclass(frozen=True)
 class RunDir:

@@ -17,6 +17,8 @@ from typing import Any
 import yaml
 
 STRATEGIES = ("auto", "tpu", "gpu", "cpu")
+SCHEDULES = ("step_decay", "cosine", "piecewise")
+BUILTIN_CALLBACKS = ("early_stopping", "reduce_lr_on_plateau", "terminate_on_nan")
 _FACTORY_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
 
@@ -47,8 +49,31 @@ class CompileSpec:
 
 @dataclass(frozen=True)
 class CheckpointSpec:
+    """When to commit: every N epochs, and also every N steps and/or T seconds (mid-epoch)."""
+
     every_epochs: int = 1
     keep: int = 3
+    every_steps: int | None = None
+    every_seconds: float | None = None
+
+
+@dataclass(frozen=True)
+class LearningRateSpec:
+    """A per-epoch learning rate: a built-in ``schedule`` with ``params``, or a ``function``
+    ``module:function(epoch, lr) -> lr``."""
+
+    schedule: str | None = None
+    params: dict = field(default_factory=dict)
+    function: Factory | None = None
+
+
+@dataclass(frozen=True)
+class CallbackSpec:
+    """A Keras callback: a built-in by ``name`` with keyword ``args``, or a user ``factory``."""
+
+    name: str | None = None
+    args: dict = field(default_factory=dict)
+    factory: Factory | None = None
 
 
 @dataclass(frozen=True)
@@ -75,6 +100,9 @@ class JobSpec:
     checkpoint: CheckpointSpec = CheckpointSpec()
     restarts: RestartSpec = RestartSpec()
     heartbeat_interval: float = 1.0
+    deterministic: bool = False
+    learning_rate: LearningRateSpec | None = None
+    callbacks: tuple = ()
 
     def training_hash(self) -> str:
         """A hash of what decides the trained model (not epochs, restarts or paths)."""
@@ -84,6 +112,9 @@ class JobSpec:
             "compile": dataclasses.asdict(self.compile) if self.compile else None,
             "batch_size": self.batch_size,
             "seed": self.seed,
+            "deterministic": self.deterministic,
+            "learning_rate": dataclasses.asdict(self.learning_rate) if self.learning_rate else None,
+            "callbacks": [dataclasses.asdict(c) for c in self.callbacks],
         }
         blob = json.dumps(relevant, sort_keys=True, default=str).encode()
         return hashlib.sha256(blob).hexdigest()
@@ -176,8 +207,17 @@ class _Reader:
             self.fail(full, f"expected one of {', '.join(choices)}, got {v!r}")
         return v
 
+    def boolean(self, data, key, full, default=False):
+        if key not in data:
+            return default
+        if not isinstance(data[key], bool):
+            self.fail(full, f"expected true or false, got {data[key]!r}")
+        return data[key]
+
     def factory(self, data, key) -> Factory:
-        v = data[key]
+        return self.factory_value(data[key], key)
+
+    def factory_value(self, v, key) -> Factory:
         args: dict = {}
         target = v
         if isinstance(v, dict):
@@ -194,8 +234,81 @@ class _Reader:
 
 TOP_KEYS = {
     "name", "model", "data", "compile", "epochs", "batch_size", "strategy", "run_dir", "seed",
-    "checkpoint", "restarts", "heartbeat_interval",
+    "checkpoint", "restarts", "heartbeat_interval", "deterministic", "learning_rate", "callbacks",
 }
+
+_SCHEDULE_KEYS = {
+    "step_decay": {"initial", "factor", "every"},
+    "cosine": {"initial", "minimum", "decay_epochs", "warmup_epochs"},
+    "piecewise": {"boundaries", "values"},
+}
+
+
+def _learning_rate(r: _Reader, v) -> LearningRateSpec:
+    """``learning_rate: module:function``, ``{factory, args}`` or ``{schedule: NAME, ...}``."""
+    key = "learning_rate"
+    if isinstance(v, str) or (isinstance(v, dict) and "factory" in v):
+        return LearningRateSpec(schedule="function", function=r.factory_value(v, key))
+    if not isinstance(v, dict) or "schedule" not in v:
+        r.fail(key, f"expected a schedule mapping {{schedule: {'|'.join(SCHEDULES)}, ...}} or "
+               f"'module:function' taking (epoch, lr), got {v!r}")
+    name = r.string(v, "schedule", f"{key}.schedule", choices=SCHEDULES)
+    r.mapping(v, key, _SCHEDULE_KEYS[name] | {"schedule"})
+    p: dict = {}
+    if name == "piecewise":
+        for k in ("boundaries", "values"):
+            if k not in v:
+                raise SpecError(r.path, r.lines.get(key), f"{key}.{k}", "required key is missing")
+        b, vals = v["boundaries"], v["values"]
+        if (not isinstance(b, list) or not all(isinstance(x, int) and not isinstance(x, bool)
+                                               and x > 0 for x in b) or b != sorted(set(b))):
+            r.fail(f"{key}.boundaries", f"expected a rising list of epoch numbers > 0, got {b!r}")
+        if (not isinstance(vals, list) or len(vals) != len(b) + 1 or not all(
+                isinstance(x, (int, float)) and not isinstance(x, bool) and x >= 0 for x in vals)):
+            r.fail(f"{key}.values", f"expected {len(b) + 1} learning rates >= 0 (one more than "
+                   f"the boundaries), got {vals!r}")
+        p = {"boundaries": list(b), "values": [float(x) for x in vals]}
+    else:
+        if "initial" in v:
+            p["initial"] = r.number(v, "initial", f"{key}.initial", minimum=0)
+        if name == "step_decay":
+            p["factor"] = r.number(v, "factor", f"{key}.factor", 0.1, 0)
+            p["every"] = r.integer(v, "every", f"{key}.every", 1, 1)
+        else:
+            p["minimum"] = r.number(v, "minimum", f"{key}.minimum", 0.0, 0)
+            p["warmup_epochs"] = r.integer(v, "warmup_epochs", f"{key}.warmup_epochs", 0, 0)
+            if "decay_epochs" in v:
+                p["decay_epochs"] = r.integer(v, "decay_epochs", f"{key}.decay_epochs", None, 1)
+    return LearningRateSpec(schedule=name, params=p)
+
+
+def _callbacks(r: _Reader, v) -> tuple:
+    """A list of ``NAME: {args}`` built-ins, ``module:function`` or ``{factory, args}``."""
+    if not isinstance(v, list):
+        r.fail("callbacks", f"expected a list, e.g. [{{early_stopping: {{patience: 3}}}}, "
+               f"my_module:make_callback], got {v!r}")
+    out = []
+    for i, item in enumerate(v):
+        key = f"callbacks[{i}]"
+        if isinstance(item, str) or (isinstance(item, dict) and "factory" in item):
+            if isinstance(item, str) and item in BUILTIN_CALLBACKS:
+                out.append(CallbackSpec(name=item))
+                continue
+            try:
+                out.append(CallbackSpec(factory=r.factory_value(item, "callbacks")))
+            except SpecError as exc:
+                raise SpecError(r.path, exc.line, key, exc.expected) from None
+            continue
+        if (not isinstance(item, dict) or len(item) != 1
+                or next(iter(item)) not in BUILTIN_CALLBACKS):
+            r.fail("callbacks", f"{key}: expected one of {', '.join(BUILTIN_CALLBACKS)} "
+                   f"(as NAME: {{args}}), 'module:function' or {{factory, args}}; got {item!r}")
+        name, args = next(iter(item.items()))
+        if args is not None and not isinstance(args, dict):
+            r.fail("callbacks", f"{key}: {name}: expected a mapping of keyword arguments, "
+                   f"got {args!r}")
+        out.append(CallbackSpec(name=name, args=dict(args or {})))
+    return tuple(out)
 
 
 def load(path: str, run_dir: str | None = None) -> JobSpec:
@@ -234,10 +347,13 @@ def load(path: str, run_dir: str | None = None) -> JobSpec:
 
     ckpt = CheckpointSpec()
     if "checkpoint" in data:
-        c = r.mapping(data["checkpoint"], "checkpoint", {"every_epochs", "keep"})
+        c = r.mapping(data["checkpoint"], "checkpoint",
+                      {"every_epochs", "keep", "every_steps", "every_seconds"})
         ckpt = CheckpointSpec(
             every_epochs=r.integer(c, "every_epochs", "checkpoint.every_epochs", 1, 1),
             keep=r.integer(c, "keep", "checkpoint.keep", 3, 1),
+            every_steps=r.integer(c, "every_steps", "checkpoint.every_steps", None, 1),
+            every_seconds=r.number(c, "every_seconds", "checkpoint.every_seconds", None, 0.1),
         )
 
     restarts = RestartSpec()
@@ -271,4 +387,8 @@ def load(path: str, run_dir: str | None = None) -> JobSpec:
         checkpoint=ckpt,
         restarts=restarts,
         heartbeat_interval=r.number(data, "heartbeat_interval", "heartbeat_interval", 1.0, 0.05),
+        deterministic=r.boolean(data, "deterministic", "deterministic"),
+        learning_rate=(_learning_rate(r, data["learning_rate"]) if "learning_rate" in data
+                       else None),
+        callbacks=_callbacks(r, data["callbacks"]) if "callbacks" in data else (),
     )

@@ -7,6 +7,10 @@ not ``tf.train.Checkpoint``: reading values to host arrays makes a checkpoint in
 strategy that wrote it (8 TPU replicas restore on 1 CPU and back), it is one file (Drive is slow
 with many), and it can be verified and fingerprinted without TensorFlow. ``np.load`` runs with
 ``allow_pickle=False``: a checkpoint is data, never code.
+
+A mid-epoch checkpoint also holds the metric state (``model.metrics_variables``: running sums
+and counts of the epoch so far), so that the resumed epoch still reports metrics over the whole
+epoch, and callbacks may add arrays of their own (under keys ``callbacks.*``).
 """
 from __future__ import annotations
 
@@ -42,8 +46,25 @@ def capture(model) -> dict[str, np.ndarray]:
     return arrays
 
 
-def save(model, directory: str) -> None:
-    np.savez(os.path.join(directory, STATE_FILE), **capture(model))
+def capture_metrics(model) -> dict[str, np.ndarray]:
+    return {f"metrics.{i:04d}": np.asarray(v.numpy())
+            for i, v in enumerate(model.metrics_variables)}
+
+
+def restore_metrics(model, arrays: dict[str, np.ndarray]) -> bool:
+    """Put back the epoch's running metric state; False if the checkpoint has none that fits."""
+    saved = sorted(k for k in arrays if k.startswith("metrics."))
+    variables = list(model.metrics_variables)
+    if not saved or len(saved) != len(variables) or any(
+            tuple(arrays[k].shape) != tuple(v.shape) for k, v in zip(saved, variables)):
+        return False
+    for k, v in zip(saved, variables):
+        v.assign(arrays[k])
+    return True
+
+
+def save(model, directory: str, extra: dict[str, np.ndarray] | None = None) -> None:
+    np.savez(os.path.join(directory, STATE_FILE), **capture(model), **(extra or {}))
 
 
 def load_arrays(directory: str) -> dict[str, np.ndarray]:
@@ -73,3 +94,10 @@ def restore(model, arrays: dict[str, np.ndarray]) -> int:
 
 def fingerprint(model) -> str:
     return weights_fingerprint(np.asarray(w.numpy()) for w in model.weights)
+
+
+def state_fingerprint(model) -> str:
+    """sha256 over everything that decides the next step: weights, BatchNorm statistics,
+    seed-generator states and optimizer variables (iterations, learning rate, slots)."""
+    arrays = capture(model)
+    return weights_fingerprint(arrays[k] for k in sorted(arrays))

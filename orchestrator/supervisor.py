@@ -282,8 +282,10 @@ class Supervisor:
                 self.progress.epoch_completed(e, metrics, c.manifest.get("attempt"),
                                               c.step if e == c.epoch else None,
                                               c.manifest.get("committed_at"))
-            self.journal.append("checkpoint_committed", epoch=c.epoch, step=c.step,
-                                path=c.path, weights_sha256=c.manifest.get("weights_sha256"))
+            self.journal.append("checkpoint_committed", epoch=c.epoch,
+                                batch=c.manifest.get("batch", 0), step=c.step, path=c.path,
+                                weights_sha256=c.manifest.get("weights_sha256"),
+                                state_sha256=c.manifest.get("state_sha256"))
             self._journaled_ckpts.add(c.step)
 
     def _latest_epoch(self) -> int:
@@ -291,7 +293,9 @@ class Supervisor:
         return c.epoch if c else 0
 
     def _completed(self) -> bool:
-        return self._latest_epoch() >= self.spec.epochs
+        """The last epoch is done, or the job's callbacks ended training (EarlyStopping)."""
+        c = self.store.latest_valid()
+        return c is not None and (c.epoch >= self.spec.epochs or c.manifest.get("stopped_early"))
 
     def _finish(self) -> int:
         final = self.store.latest_valid()
@@ -299,6 +303,7 @@ class Supervisor:
         already = any(True for _ in self.journal.iter("run_completed"))
         if not already:
             self.journal.append("run_completed", epochs=final.epoch, weights_sha256=fp,
+                                state_sha256=final.manifest.get("state_sha256"),
                                 checkpoint=final.path, restarts=self.restarts)
         self.say(f"run '{self.spec.name}' completed: {final.epoch} epochs, "
                  f"{self.restarts} restart(s) this session; weights sha256 {fp}")

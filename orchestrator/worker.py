@@ -1,13 +1,15 @@
 """One training attempt, in its own process: ``python -m orchestrator.worker``.
 
 Resolve the strategy, build and compile the job's model in its scope, restore the newest valid
-checkpoint (weights, optimizer and RNG state), train from the next epoch with the checkpoint and
-heartbeat callbacks, and on any exception write an error record before exiting non-zero.
+checkpoint (weights, optimizer, RNG, metric and callback state), train from the next batch with
+the checkpoint and heartbeat callbacks, and on any exception write an error record before
+exiting non-zero.
 Exit ``EXIT_CONFIG`` says "this will fail the same way again": the supervisor does not retry it.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import os
 import sys
@@ -19,7 +21,7 @@ from .checkpoints import CheckpointStore
 from .heartbeat import HeartbeatWriter, Progress
 from .journal import Journal
 from .osutil import write_json_atomic
-from .rundir import EXIT_CONFIG, RunDir
+from .rundir import CPU_DEVICES_ENV, EXIT_CONFIG, RunDir
 from .spec import JobSpec, SpecError, load
 
 
@@ -41,8 +43,8 @@ def _import_tensorflow():
             f"runtime install the pinned tensorflow-tpu instead, never plain tensorflow") from None
 
 
-def _call_factory(spec: JobSpec, key: str, **extra):
-    factory = getattr(spec, key)
+def _resolve(spec: JobSpec, factory, key: str):
+    """Import ``module:function`` of the job (from its directory); return it with its args."""
     module_name, func_name = factory.target.split(":")
     if spec.job_dir not in sys.path:
         sys.path.insert(0, spec.job_dir)
@@ -55,7 +57,11 @@ def _call_factory(spec: JobSpec, key: str, **extra):
     func = getattr(module, func_name, None)
     if not callable(func):
         raise JobError(f"{where}: module '{module_name}' has no function '{func_name}'")
-    return func(**factory.args, **extra)
+    return functools.partial(func, **factory.args)
+
+
+def _call_factory(spec: JobSpec, key: str, **extra):
+    return _resolve(spec, getattr(spec, key), key)(**extra)
 
 
 def _compile(model, spec: JobSpec):
@@ -65,6 +71,47 @@ def _compile(model, spec: JobSpec):
     elif not getattr(model, "compiled", False) or model.optimizer is None:
         raise JobError(f"{spec.job_path}: the model factory returned an uncompiled model and "
                        f"the job has no 'compile' section (give compile: {{optimizer, loss}})")
+
+
+def _job_callbacks(spec: JobSpec) -> list:
+    """The job's own callbacks: built-ins by name, or whatever its factories return."""
+    import keras
+
+    builtins = {"early_stopping": keras.callbacks.EarlyStopping,
+                "reduce_lr_on_plateau": keras.callbacks.ReduceLROnPlateau,
+                "terminate_on_nan": keras.callbacks.TerminateOnNaN}
+    out = []
+    for i, c in enumerate(spec.callbacks):
+        where = f"{spec.job_path}: key 'callbacks[{i}]'"
+        try:
+            made = (builtins[c.name](**c.args) if c.name else
+                    _resolve(spec, c.factory, f"callbacks[{i}]")())
+        except TypeError as exc:
+            raise JobError(f"{where}: {exc}") from exc
+        for cb in made if isinstance(made, (list, tuple)) else [made]:
+            if not isinstance(cb, keras.callbacks.Callback):
+                raise JobError(f"{where}: expected a keras.callbacks.Callback, got "
+                               f"{type(cb).__name__}")
+            out.append(cb)
+    return out
+
+
+def _schedule(spec: JobSpec, optimizer):
+    """The spec's learning-rate schedule, or None; checks the optimizer's rate can be set."""
+    from . import schedules
+    from .callbacks import get_learning_rate
+
+    if spec.learning_rate is None:
+        return None
+    base = get_learning_rate(optimizer)  # as compiled, before any checkpoint is restored
+    try:
+        optimizer.learning_rate = base
+    except TypeError as exc:  # built with a keras LearningRateSchedule: not settable
+        raise JobError(f"{spec.job_path}: key 'learning_rate': the optimizer's rate cannot be "
+                       f"set ({exc}); drop the spec's schedule or the optimizer's") from exc
+    fn = (_resolve(spec, spec.learning_rate.function, "learning_rate")
+          if spec.learning_rate.function else None)
+    return schedules.build(spec.learning_rate, base, spec.epochs, fn)
 
 
 def _watch_parent(poll: float = 0.5) -> None:
@@ -83,17 +130,23 @@ def _watch_parent(poll: float = 0.5) -> None:
 
 def train(spec: JobSpec, rd: RunDir, attempt: int, progress, t_start: float) -> dict:
     """The attempt itself; returns a summary. Raises on any failure."""
+    from .accelerators import split_cpu
+
+    split_cpu(os.environ.get(CPU_DEVICES_ENV))  # before TensorFlow initialises its devices
     import keras
     import tensorflow as tf
 
-    from . import datasets, state
+    from . import datasets, resume, state
     from .accelerators import resolve_strategy
-    from .callbacks import CheckpointCallback, HeartbeatCallback, ProgressCallback
+    from .callbacks import (CallbackStates, CheckpointCallback, HeartbeatCallback,
+                            LearningRateCallback, OneTraining, ProgressCallback, ResumeState)
 
     journal = Journal(rd.journal)
     heart = HeartbeatWriter(rd.root, attempt, spec.heartbeat_interval)
     heart.beat(force=True, phase="starting")
     keras.utils.set_random_seed(spec.seed)
+    if spec.deterministic:
+        tf.config.experimental.enable_op_determinism()
 
     strategy, described = resolve_strategy(spec.strategy)
     replicas = strategy.num_replicas_in_sync
@@ -109,9 +162,18 @@ def train(spec: JobSpec, rd: RunDir, attempt: int, progress, t_start: float) -> 
             raise JobError(f"{spec.job_path}: key 'model': the factory returned "
                            f"{type(model).__name__}, expected a keras.Model")
         _compile(model, spec)
-        if not model.built:
-            model(datasets.sample_batch(data, 2))
+        x, y = datasets.sample_batch(data, 2)
+        y_pred = model(x, training=False)  # builds the model (no RNG, no statistics moved)
+        try:  # and the metrics, whose running state a mid-epoch checkpoint holds
+            model.compute_metrics(x, y, y_pred)
+            model.reset_metrics()
+        except Exception as exc:  # noqa: BLE001 - built at the first step instead
+            print(f"[worker] metrics not built before training ({exc}); a mid-epoch resume "
+                  f"then restarts the epoch's metrics", flush=True)
         model.optimizer.build(model.trainable_variables)
+        schedule = _schedule(spec, model.optimizer)
+    job_callbacks = _job_callbacks(spec)
+    states = CallbackStates(job_callbacks)
 
     store = CheckpointStore(rd.checkpoints)
     store.remove_partial()
@@ -120,39 +182,89 @@ def train(spec: JobSpec, rd: RunDir, attempt: int, progress, t_start: float) -> 
     for c, why in skipped:
         journal.append("checkpoint_skipped", source="worker", attempt=attempt, step=c.step,
                        reason=why)
-    start_epoch, history = 0, []
+    at = resume.plan(latest.manifest if latest else None, global_batch=global_batch,
+                     steps_per_epoch=spe, deterministic=spec.deterministic)
+    arrays: dict = {}
+    restored = None
     if latest is not None:
+        arrays = state.load_arrays(latest.path)
         try:
             with strategy.scope():
-                state.restore(model, state.load_arrays(latest.path))
+                state.restore(model, arrays)
         except state.StateMismatch as exc:
             raise JobError(f"cannot resume from {latest.path}: {exc}") from exc
-        start_epoch, history = latest.epoch, latest.manifest.get("history", [])
-    progress.epoch = start_epoch
+        restored = state.state_fingerprint(model)
+        if latest.manifest.get("state_sha256") not in (None, restored):
+            at.not_exact.append(f"the restored state (sha256 {restored[:12]}) differs from the "
+                                f"checkpoint's ({latest.manifest['state_sha256'][:12]})")
+        unknown = states.unknown()
+        if unknown:
+            at.not_exact.append(f"callback(s) {', '.join(unknown)} have no get_state/set_state: "
+                                f"their state starts afresh")
+        if at.mid_epoch and getattr(model.optimizer, "use_ema", False):
+            at.not_exact.append("the optimizer uses EMA, whose weights Keras swaps in at the end "
+                                "of each fit call (finalize_variable_values): the resumed epoch "
+                                "ends one call early")
+    progress.epoch, progress.batch, progress.step = at.epoch, at.batch, at.step
     journal.append("worker_ready", source="worker", attempt=attempt, strategy=described,
                    replicas=replicas, global_batch=global_batch, steps_per_epoch=spe,
-                   resumed_from_epoch=start_epoch, startup_s=round(time.time() - t_start, 3))
-    print(f"[worker] attempt {attempt}: {described}, {replicas} replica(s), global batch "
-          f"{global_batch}, resuming at epoch {start_epoch}/{spec.epochs}", flush=True)
-    if start_epoch >= spec.epochs:
-        return {"epochs": start_epoch, "fingerprint": state.fingerprint(model)}
+                   resumed_from_epoch=at.epoch, resumed_from_batch=at.batch,
+                   resumed_from_step=at.step, deterministic=spec.deterministic,
+                   restored_state_sha256=restored,
+                   startup_s=round(time.time() - t_start, 3))
 
-    train_ds = datasets.train_dataset(data, spec.seed, start_epoch, spec.epochs, global_batch,
-                                      drop_remainder=is_tpu)
+    def not_exact(reasons):
+        journal.append("resume_not_exact", source="worker", attempt=attempt, step=at.step,
+                       reasons=list(reasons))
+        for r in reasons:
+            print(f"[worker] resume not exact: {r}", flush=True)
+
+    if at.not_exact:
+        not_exact(at.not_exact)
+    print(f"[worker] attempt {attempt}: {described}, {replicas} replica(s), global batch "
+          f"{global_batch}, resuming at epoch {at.epoch}/{spec.epochs} batch {at.batch}/{spe}",
+          flush=True)
+    if at.stopped_early or at.epoch >= spec.epochs:
+        return {"epochs": at.epoch, "fingerprint": state.fingerprint(model)}
+
     val_ds = datasets.validation_dataset(data, global_batch, drop_remainder=is_tpu)
     base_manifest = {"job": spec.name, "training_hash": spec.training_hash(), "attempt": attempt,
-                     "global_batch": global_batch, "replicas": replicas}
-    callbacks = [
-        ProgressCallback(progress, on_first_step=lambda: journal.append(
-            "first_step", source="worker", attempt=attempt, since_start_s=round(
-                time.time() - t_start, 3))),
+                     "global_batch": global_batch, "replicas": replicas,
+                     "steps_per_epoch": spe, "deterministic": spec.deterministic}
+    prog_cb = ProgressCallback(progress, on_first_step=lambda: journal.append(
+        "first_step", source="worker", attempt=attempt, since_start_s=round(
+            time.time() - t_start, 3)))
+    inner = [prog_cb]
+    if schedule is not None:
+        inner.append(LearningRateCallback(schedule, skip_epoch=at.epoch if at.mid_epoch else None))
+    inner += job_callbacks
+    inner += [
+        ResumeState(states, latest.manifest.get("callbacks") if latest else None, arrays,
+                    at.epoch if at.mid_epoch else None,
+                    on_metrics_lost=lambda: not_exact([
+                        f"the checkpoint has no metric state for epoch {at.epoch + 1}: its "
+                        f"reported metrics cover batches {at.batch + 1}.. only"])),
         HeartbeatCallback(heart, progress),
-        CheckpointCallback(store, spec.checkpoint.every_epochs, spec.epochs,
-                           spec.checkpoint.keep, history, base_manifest),
+        CheckpointCallback(store, spec.checkpoint, progress, spe, spec.epochs, at.history,
+                           base_manifest, states),
     ]
-    model.fit(train_ds, validation_data=val_ds, epochs=spec.epochs, initial_epoch=start_epoch,
-              steps_per_epoch=spe, callbacks=callbacks, verbose=2)
-    return {"epochs": spec.epochs, "fingerprint": state.fingerprint(model)}
+    training = OneTraining(inner)
+    # The rest of an interrupted epoch is a fit call of its own (Keras cannot start an epoch
+    # at a batch), then the remaining epochs are one more.
+    segments = [(at.epoch, at.epoch + 1, at.batch)] if at.mid_epoch else []
+    first_full = at.epoch + 1 if at.mid_epoch else at.epoch
+    if first_full < spec.epochs:
+        segments.append((first_full, spec.epochs, 0))
+    for begin, end, skip in segments:
+        prog_cb.batch_offset = skip
+        train_ds = datasets.train_dataset(data, spec.seed, begin, end, global_batch,
+                                          drop_remainder=is_tpu, skip_batches=skip)
+        model.fit(train_ds, validation_data=val_ds, epochs=end, initial_epoch=begin,
+                  steps_per_epoch=spe - skip if skip else spe, callbacks=[training], verbose=2)
+        if model.stop_training:
+            break
+    training.finish()
+    return {"epochs": progress.epoch, "fingerprint": state.fingerprint(model)}
 
 
 def write_error_record(rd: RunDir, attempt: int, exc: BaseException, progress,

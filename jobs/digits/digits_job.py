@@ -20,7 +20,9 @@ def build_model():
 
     return keras.Sequential([
         keras.Input((8, 8, 1)),
-        layers.Conv2D(16, 3, padding="same", activation="relu"),
+        layers.Conv2D(16, 3, padding="same", use_bias=False),
+        layers.BatchNormalization(),
+        layers.ReLU(),
         layers.MaxPooling2D(),
         layers.Conv2D(32, 3, padding="same", activation="relu"),
         layers.Flatten(),

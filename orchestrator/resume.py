@@ -1,0 +1,57 @@
+"""Where a resumed attempt starts, and what keeps it from being exact (no TensorFlow).
+
+A checkpoint says how many epochs were completed and how many batches of the next one were
+trained. The attempt continues at the next batch, over data whose order is a function of
+(seed, epoch). When the global batch changed (another number of replicas), the position is
+translated by examples seen, and the run goes on, but not as an uninterrupted one would: the
+reasons are journaled as ``resume_not_exact``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+NOT_DETERMINISTIC = (
+    "the job does not set 'deterministic: true': TensorFlow may choose nondeterministic kernels "
+    "(e.g. GPU convolution backprop, scatter and segment reductions with atomic adds), so "
+    "the resumed steps may differ in the last bits")
+
+
+@dataclass
+class ResumePoint:
+    epoch: int = 0       # epochs completed
+    batch: int = 0       # batches of the next epoch already trained
+    step: int = 0        # training batches run in the whole run
+    history: list = field(default_factory=list)
+    stopped_early: bool = False  # a callback (EarlyStopping) ended the training
+    not_exact: list = field(default_factory=list)
+
+    @property
+    def mid_epoch(self) -> bool:
+        return self.batch > 0
+
+
+def plan(manifest: dict | None, *, global_batch: int, steps_per_epoch: int,
+         deterministic: bool) -> ResumePoint:
+    """The resume point for ``manifest`` (None: a fresh start) under the current strategy."""
+    if manifest is None:
+        return ResumePoint()
+    p = ResumePoint(epoch=int(manifest.get("epoch", 0)), batch=int(manifest.get("batch", 0)),
+                    step=int(manifest.get("step", 0)), history=list(manifest.get("history", [])),
+                    stopped_early=bool(manifest.get("stopped_early", False)))
+    if not deterministic:
+        p.not_exact.append(NOT_DETERMINISTIC)
+    old = manifest.get("global_batch")
+    if old and old != global_batch:
+        p.not_exact.append(
+            f"the global batch changed from {old} ({manifest.get('replicas')} replica(s)) to "
+            f"{global_batch}: the steps after the resume differ from an uninterrupted run's")
+        if p.batch:
+            seen = p.batch * old
+            p.batch = seen // global_batch
+            if seen % global_batch:
+                p.not_exact.append(
+                    f"epoch {p.epoch + 1} resumes at example {p.batch * global_batch}, not at "
+                    f"{seen}: {seen % global_batch} example(s) are trained on twice")
+    if p.batch >= steps_per_epoch:
+        p.batch = steps_per_epoch - 1
+    return p
