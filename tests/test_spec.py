@@ -111,3 +111,74 @@ def test_training_hash_ignores_epochs_but_not_model(write_job):
 def test_spec_module_never_uses_unsafe_yaml_load():
     src = open(spec_mod.__file__).read()
     assert "yaml.load(" not in src and "SafeLoader" in src
+
+
+EXACT = VALID + """deterministic: true
+learning_rate: {schedule: cosine, initial: 0.1, warmup_epochs: 2, minimum: 0.001}
+callbacks:
+  - early_stopping: {monitor: val_loss, patience: 3}
+  - terminate_on_nan
+  - my_job:make_logger
+  - {factory: my_job:make_other, args: {every: 2}}
+"""
+
+
+def test_exact_resume_keys_load(write_job):
+    s = load(write_job(EXACT.replace("{every_epochs: 2, keep: 4}",
+                                     "{every_epochs: 2, keep: 4, every_steps: 50, "
+                                     "every_seconds: 30}")))
+    assert s.deterministic is True
+    assert (s.checkpoint.every_steps, s.checkpoint.every_seconds) == (50, 30.0)
+    assert s.learning_rate.schedule == "cosine"
+    assert s.learning_rate.params == {"initial": 0.1, "minimum": 0.001, "warmup_epochs": 2}
+    assert [(c.name, c.args) for c in s.callbacks[:2]] == [
+        ("early_stopping", {"monitor": "val_loss", "patience": 3}), ("terminate_on_nan", {})]
+    assert s.callbacks[2].factory.target == "my_job:make_logger"
+    assert s.callbacks[3].factory.args == {"every": 2}
+    fn = load(write_job(VALID + "learning_rate: my_job:rate\n", "f.yaml")).learning_rate
+    assert (fn.schedule, fn.function.target) == ("function", "my_job:rate")
+    pw = load(write_job(VALID + "learning_rate: {schedule: piecewise, boundaries: [2, 5], "
+                        "values: [0.1, 0.01, 0.001]}\n", "p.yaml")).learning_rate
+    assert pw.params == {"boundaries": [2, 5], "values": [0.1, 0.01, 0.001]}
+    assert load(write_job(VALID, "v.yaml")).deterministic is False
+
+
+def test_exact_resume_keys_change_the_training_hash(write_job):
+    a = load(write_job(VALID, "a.yaml"))
+    b = load(write_job(VALID + "deterministic: true\n", "b.yaml"))
+    c = load(write_job(VALID + "learning_rate: my_job:rate\n", "c.yaml"))
+    assert len({a.training_hash(), b.training_hash(), c.training_hash()}) == 3
+
+
+@pytest.mark.parametrize("extra, line, key, expected", [
+    ("deterministic: yes please", 17, "deterministic", "expected true or false"),
+    ("learning_rate: {schedule: linear}", 17, "learning_rate.schedule",
+     "expected one of step_decay, cosine, piecewise"),
+    ("learning_rate: {schedule: step_decay, every: 0}", 17, "learning_rate.every",
+     "expected an integer >= 1"),
+    ("learning_rate: {schedule: step_decay, boundaries: [1]}", 17, "learning_rate.boundaries",
+     "unknown key"),
+    ("learning_rate: {schedule: piecewise, boundaries: [3, 2], values: [1, 2, 3]}", 17,
+     "learning_rate.boundaries", "expected a rising list"),
+    ("learning_rate: {schedule: piecewise, boundaries: [2], values: [0.1]}", 17,
+     "learning_rate.values", "expected 2 learning rates"),
+    ("learning_rate: my_job.rate", 17, "learning_rate", "expected 'module:function'"),
+    ("learning_rate: 0.1", 17, "learning_rate", "expected a schedule mapping"),
+    ("callbacks: early_stopping", 17, "callbacks", "expected a list"),
+    ("callbacks: [{early_stoping: {}}]", 17, "callbacks", "callbacks[0]: expected one of"),
+    ("callbacks: [{early_stopping: 3}]", 17, "callbacks", "expected a mapping of keyword"),
+    ("callbacks: [my_job.make]", 17, "callbacks[0]", "expected 'module:function'"),
+    ("checkpoint2: 1", 17, "checkpoint2", "unknown key"),
+])
+def test_exact_resume_key_errors(write_job, extra, line, key, expected):
+    path = write_job(VALID + extra + "\n")
+    with pytest.raises(SpecError) as e:
+        load(path)
+    msg = str(e.value)
+    assert msg.startswith(f"{path}:{line}: key '{key}'"), msg
+    assert expected in msg
+
+
+def test_checkpoint_every_steps_must_be_positive(write_job):
+    with pytest.raises(SpecError, match=r"key 'checkpoint.every_steps': expected an integer >= 1"):
+        load(write_job(VALID.replace("keep: 4}", "keep: 4, every_steps: 0}")))

@@ -83,6 +83,25 @@ def test_second_run_of_a_completed_job_starts_no_worker(fake_job):
     assert sum(e["event"] == "run_completed" for e in events) == 1
 
 
+def test_mid_epoch_checkpoints_journal_each_epoch_once(fake_job):
+    rc, _, events = _run(fake_job(epochs=4), {"mid_epoch": True,
+                                              "exit_at_epoch": {"1": [3, -9]}})
+    assert rc == 0
+    assert _epochs(events) == [1, 2, 3, 4]
+    committed = [(e["epoch"], e["batch"]) for e in events if e["event"] == "checkpoint_committed"]
+    assert (2, 5) in committed and (2, 0) in committed and len(committed) == len(set(committed))
+
+
+def test_training_ended_early_by_a_callback_counts_as_completed(fake_job):
+    job = fake_job(epochs=6)
+    rc, out, events = _run(job, {"stop_early": {"1": 2}})
+    assert rc == 0, out
+    assert _epochs(events) == [1, 2]
+    assert events[-1]["event"] == "run_completed" and events[-1]["epochs"] == 2
+    rc, _, events = _run(job, {})
+    assert rc == 0 and sum(e["event"] == "attempt_started" for e in events) == 1
+
+
 def test_supervisor_killed_then_rerun_resumes_and_stops_the_orphan(fake_job, tmp_path):
     job = fake_job(epochs=6)
     run = tmp_path / "run"

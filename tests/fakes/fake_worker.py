@@ -6,7 +6,9 @@ plan in $FAKE_PLAN (JSON) says, per attempt number:
    "exit": {"1": 1},            attempt 1 exits with code 1 right after start
    "exit_at_epoch": {"2": [3, -9]}, attempt 2 SIGKILLs itself when epoch 3 would begin
    "sleep_forever": ["3"],      attempt 3 never finishes
-   "batches": 5}                heartbeats per epoch, as the real worker's batches
+   "batches": 5,                heartbeats per epoch, as the real worker's batches
+   "mid_epoch": true,           also commit a checkpoint in the middle of each epoch
+   "stop_early": {"1": 2}}      attempt 1 ends training after epoch 2, as EarlyStopping does
 Like the real worker it journals ``worker_ready`` (with steps_per_epoch) and ``first_step``,
 beats ``heartbeat.json`` with epoch/batch, and prints TensorFlow-like log noise to its output.
 """
@@ -68,16 +70,23 @@ def main():
             if epoch == start + 1 and b == 1:
                 journal.append("first_step", source="worker", attempt=a.attempt)
             heart.beat(phase="training", epoch=epoch - 1, batch=b)
-        history.append({"epoch": epoch, "loss": 1.0 / epoch})
 
         def payload(d, epoch=epoch):
             with open(os.path.join(d, "state.npz"), "wb") as f:
                 f.write(f"weights after epoch {epoch}".encode())
 
+        if plan.get("mid_epoch"):
+            store.commit(epoch * 10 - 5, payload, {"attempt": a.attempt, "epoch": epoch - 1,
+                                                   "batch": 5, "history": list(history)},
+                         keep=spec.checkpoint.keep)
+        history.append({"epoch": epoch, "loss": 1.0 / epoch})
+        early = plan.get("stop_early", {}).get(n) == epoch
         store.commit(epoch * 10, payload, {"attempt": a.attempt, "epoch": epoch,
-                                      "history": list(history),
+                                      "history": list(history), "stopped_early": early,
                                       "weights_sha256": f"fake-{epoch}"},
                      keep=spec.checkpoint.keep)
+        if early:
+            break
     sys.exit(0)
 
 

@@ -1,0 +1,43 @@
+"""Where a resumed attempt starts and when it says it is not exact (no TensorFlow)."""
+from orchestrator.resume import NOT_DETERMINISTIC, plan
+
+
+def _m(**kw):
+    return dict({"epoch": 2, "batch": 5, "step": 95, "global_batch": 32, "replicas": 8,
+                 "history": [{"epoch": 1}, {"epoch": 2}]}, **kw)
+
+
+def test_fresh_start():
+    p = plan(None, global_batch=32, steps_per_epoch=45, deterministic=True)
+    assert (p.epoch, p.batch, p.step, p.history, p.not_exact) == (0, 0, 0, [], [])
+
+
+def test_same_strategy_resumes_at_the_next_batch_exactly():
+    p = plan(_m(), global_batch=32, steps_per_epoch=45, deterministic=True)
+    assert (p.epoch, p.batch, p.step, p.mid_epoch) == (2, 5, 95, True)
+    assert len(p.history) == 2 and p.not_exact == [] and not p.stopped_early
+
+
+def test_without_determinism_the_resume_says_so():
+    p = plan(_m(), global_batch=32, steps_per_epoch=45, deterministic=False)
+    assert p.not_exact == [NOT_DETERMINISTIC]
+
+
+def test_8_replicas_to_1_translates_the_position_by_examples():
+    p = plan(_m(), global_batch=4, steps_per_epoch=360, deterministic=True)
+    assert p.batch == 40 and p.step == 95
+    assert len(p.not_exact) == 1 and "global batch changed from 32 (8 replica(s)) to 4" \
+        in p.not_exact[0]
+
+
+def test_1_replica_to_8_rounds_down_and_names_the_repeated_examples():
+    p = plan(_m(batch=43, global_batch=4, replicas=1), global_batch=32, steps_per_epoch=45,
+             deterministic=True)
+    assert p.batch == 5  # 172 examples seen: 5 batches of 32 = 160, 12 are trained again
+    assert "12 example(s) are trained on twice" in p.not_exact[1]
+
+
+def test_stopped_early_and_an_old_position_past_the_epoch():
+    assert plan(_m(stopped_early=True), global_batch=32, steps_per_epoch=45,
+                deterministic=True).stopped_early
+    assert plan(_m(batch=50), global_batch=32, steps_per_epoch=45, deterministic=True).batch == 44

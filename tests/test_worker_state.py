@@ -1,0 +1,148 @@
+"""Worker-side state with real Keras, in process: learning rate through a wrapped optimizer, and
+the callbacks' state saved as JSON + arrays and put back after Keras resets it."""
+import json
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+keras = pytest.importorskip("keras")
+
+from orchestrator import state  # noqa: E402
+from orchestrator.callbacks import (CallbackStates, LearningRateCallback,  # noqa: E402
+                                    get_learning_rate)
+
+X = np.random.default_rng(0).normal(size=(32, 4)).astype("float32")
+Y = (X.sum(axis=1) > 0).astype("int32")
+
+
+def _model():
+    keras.utils.set_random_seed(0)
+    m = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2, activation="softmax")])
+    m.compile(optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1)),
+              loss="sparse_categorical_crossentropy")
+    m(X[:2])
+    m.optimizer.build(m.trainable_variables)
+    return m
+
+
+class _Rates(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.rates = {}
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.rates[epoch] = get_learning_rate(self.model.optimizer)
+
+
+def _halve(epoch, lr):
+    return lr * 0.5 if epoch else lr
+
+
+def test_schedule_sets_the_rate_of_a_wrapped_optimizer_and_survives_a_resume():
+    m, rec = _model(), _Rates()
+    m.fit(X, Y, epochs=4, verbose=0, shuffle=False,
+          callbacks=[LearningRateCallback(_halve), rec])
+    assert rec.rates == pytest.approx({0: 0.1, 1: 0.05, 2: 0.025, 3: 0.0125})
+    inner = m.optimizer.inner_optimizer  # the rate reached the optimizer that applies it
+    assert float(keras.ops.convert_to_numpy(inner.learning_rate)) == pytest.approx(0.0125)
+
+    # stopped after 2 epochs, restored into a new model: the same rates for epochs 2 and 3
+    a = _model()
+    a.fit(X, Y, epochs=2, verbose=0, shuffle=False, callbacks=[LearningRateCallback(_halve)])
+    b, rec_b = _model(), _Rates()
+    state.restore(b, state.capture(a))
+    b.fit(X, Y, epochs=4, initial_epoch=2, verbose=0, shuffle=False,
+          callbacks=[LearningRateCallback(_halve), rec_b])
+    assert rec_b.rates == {k: rec.rates[k] for k in (2, 3)}
+    # resumed in the middle of epoch 3: the restored rate stands, the rule is not applied twice
+    c, rec_c = _model(), _Rates()
+    state.restore(c, state.capture(a))
+    c.fit(X, Y, epochs=2, initial_epoch=1, verbose=0, shuffle=False,
+          callbacks=[LearningRateCallback(_halve, skip_epoch=1), rec_c])
+    assert rec_c.rates == {1: rec.rates[1]}
+    assert state.fingerprint(b) == state.fingerprint(m)
+
+
+def test_callback_state_round_trips_as_json_and_arrays_without_pickle(tmp_path):
+    m = _model()
+    es = keras.callbacks.EarlyStopping(monitor="loss", patience=50, restore_best_weights=True)
+    rop = keras.callbacks.ReduceLROnPlateau(monitor="loss", patience=0, min_delta=10.0)
+    m.fit(X, Y, epochs=3, verbose=0, shuffle=False, callbacks=[es, rop])
+    assert es.best_weights is not None and rop.wait == 0 and rop.cooldown_counter == 0
+    states, arrays = CallbackStates([es, rop]).capture()
+    np.savez(tmp_path / "s.npz", **arrays)
+    blob = json.dumps(states)
+
+    es2 = keras.callbacks.EarlyStopping(monitor="loss", patience=50, restore_best_weights=True)
+    rop2 = keras.callbacks.ReduceLROnPlateau(monitor="loss", patience=0, min_delta=10.0)
+    for cb in (es2, rop2):
+        cb.set_model(m)
+        cb.on_train_begin()  # what Keras does at the start of every fit
+    with np.load(tmp_path / "s.npz", allow_pickle=False) as z:
+        CallbackStates([es2, rop2]).apply(json.loads(blob), {k: z[k] for k in z.files})
+    for a in ("wait", "stopped_epoch", "best", "best_epoch"):
+        assert getattr(es2, a) == getattr(es, a), a
+    assert [np.array_equal(x, y) for x, y in zip(es2.best_weights, es.best_weights)] == [True] * 2
+    assert (rop2.wait, rop2.cooldown_counter, rop2.best) == (rop.wait, rop.cooldown_counter,
+                                                           rop.best)
+
+
+def test_a_callback_without_state_protocol_is_named():
+    class Mine(keras.callbacks.Callback):
+        pass
+
+    class WithState(keras.callbacks.Callback):
+        def get_state(self):
+            return {"n": 1}
+
+        def set_state(self, s):
+            self.n = s["n"]
+
+    cbs = [Mine(), WithState(), keras.callbacks.TerminateOnNaN()]
+    assert CallbackStates(cbs).unknown() == ["Mine"]
+    states, _ = CallbackStates(cbs).capture()
+    assert [s["state"] for s in states] == [None, {"n": 1}, None]
+
+
+class _Clock:
+    """A monotonic clock that moves 0.1 s per training batch (timing without sleeping)."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def monotonic(self):
+        return self.now
+
+
+def test_checkpoints_every_n_seconds_within_epochs_and_once_at_the_end(tmp_path, monkeypatch):
+    from orchestrator import callbacks as cbm
+    from orchestrator.checkpoints import CheckpointStore
+    from orchestrator.heartbeat import Progress
+    from orchestrator.spec import CheckpointSpec
+
+    clock = _Clock()
+    monkeypatch.setattr(cbm, "time", clock)
+
+    class Tick(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            clock.now += 0.1
+
+    m, progress, store = _model(), Progress(), CheckpointStore(str(tmp_path / "ck"))
+    ckpt = CheckpointSpec(every_epochs=5, keep=100, every_seconds=0.25)
+    training = cbm.OneTraining([
+        Tick(), cbm.ProgressCallback(progress),
+        cbm.CheckpointCallback(store, ckpt, progress, steps_per_epoch=8, last_epoch=2,
+                               history=[], base_manifest={}, states=CallbackStates([]))])
+    m.fit(X, Y, batch_size=4, epochs=2, verbose=0, shuffle=False, callbacks=[training])
+    assert store.list() and all(c.manifest["epoch"] < 2 for c in store.list())
+    training.finish()
+    got = [(c.step, c.manifest["epoch"], c.manifest["batch"]) for c in store.list()]
+    # every 3rd batch (0.3 s >= 0.25 s), never at an epoch's last batch, then the final one
+    assert got == [(3, 0, 3), (6, 0, 6), (9, 1, 1), (12, 1, 4), (15, 1, 7), (16, 2, 0)]
+    final = store.list()[-1].manifest
+    assert final["stopped_early"] is False and [h["epoch"] for h in final["history"]] == [1, 2]
+    assert final["state_sha256"] == state.state_fingerprint(m)
+    mid = state.load_arrays(store.list()[0].path)
+    assert any(k.startswith("metrics.") for k in mid)  # the epoch's running metrics
