@@ -1,17 +1,24 @@
 """Worker-side state with real Keras, in process: learning rate through a wrapped optimizer, and
-the callbacks' state saved as JSON + arrays and put back after Keras resets it."""
+the callbacks' state saved as JSON + arrays and put back after Keras resets it.
+
+Keras is imported by the tests, not at collection: other tests check that pytest's own process
+stays free of TensorFlow.
+"""
 import json
 
 import numpy as np
 import pytest
 
 pytestmark = pytest.mark.e2e
+keras = state = CallbackStates = LearningRateCallback = get_learning_rate = None
 
-keras = pytest.importorskip("keras")
 
-from orchestrator import state  # noqa: E402
-from orchestrator.callbacks import (CallbackStates, LearningRateCallback,  # noqa: E402
-                                    get_learning_rate)
+@pytest.fixture(autouse=True)
+def _keras():
+    global keras, state, CallbackStates, LearningRateCallback, get_learning_rate
+    keras = pytest.importorskip("keras")
+    from orchestrator import state
+    from orchestrator.callbacks import CallbackStates, LearningRateCallback, get_learning_rate
 
 X = np.random.default_rng(0).normal(size=(32, 4)).astype("float32")
 Y = (X.sum(axis=1) > 0).astype("int32")
@@ -27,13 +34,16 @@ def _model():
     return m
 
 
-class _Rates(keras.callbacks.Callback):
-    def __init__(self):
-        super().__init__()
-        self.rates = {}
+def _rates_recorder():
+    class Rates(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.rates = {}
 
-    def on_epoch_begin(self, epoch, logs=None):
-        self.rates[epoch] = get_learning_rate(self.model.optimizer)
+        def on_epoch_begin(self, epoch, logs=None):
+            self.rates[epoch] = get_learning_rate(self.model.optimizer)
+
+    return Rates()
 
 
 def _halve(epoch, lr):
@@ -41,7 +51,7 @@ def _halve(epoch, lr):
 
 
 def test_schedule_sets_the_rate_of_a_wrapped_optimizer_and_survives_a_resume():
-    m, rec = _model(), _Rates()
+    m, rec = _model(), _rates_recorder()
     m.fit(X, Y, epochs=4, verbose=0, shuffle=False,
           callbacks=[LearningRateCallback(_halve), rec])
     assert rec.rates == pytest.approx({0: 0.1, 1: 0.05, 2: 0.025, 3: 0.0125})
@@ -51,13 +61,13 @@ def test_schedule_sets_the_rate_of_a_wrapped_optimizer_and_survives_a_resume():
     # stopped after 2 epochs, restored into a new model: the same rates for epochs 2 and 3
     a = _model()
     a.fit(X, Y, epochs=2, verbose=0, shuffle=False, callbacks=[LearningRateCallback(_halve)])
-    b, rec_b = _model(), _Rates()
+    b, rec_b = _model(), _rates_recorder()
     state.restore(b, state.capture(a))
     b.fit(X, Y, epochs=4, initial_epoch=2, verbose=0, shuffle=False,
           callbacks=[LearningRateCallback(_halve), rec_b])
     assert rec_b.rates == {k: rec.rates[k] for k in (2, 3)}
     # resumed in the middle of epoch 3: the restored rate stands, the rule is not applied twice
-    c, rec_c = _model(), _Rates()
+    c, rec_c = _model(), _rates_recorder()
     state.restore(c, state.capture(a))
     c.fit(X, Y, epochs=2, initial_epoch=1, verbose=0, shuffle=False,
           callbacks=[LearningRateCallback(_halve, skip_epoch=1), rec_c])
