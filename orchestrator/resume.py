@@ -29,6 +29,16 @@ class ResumePoint:
     def mid_epoch(self) -> bool:
         return self.batch > 0
 
+    def segments(self, epochs: int) -> list[tuple[int, int, int]]:
+        """``fit`` calls as (first epoch, end epoch, batches to skip): the rest of an
+        interrupted epoch is a call of its own (Keras starts every epoch at batch 0), then the
+        remaining epochs are one more."""
+        out = [(self.epoch, self.epoch + 1, self.batch)] if self.mid_epoch else []
+        first_full = self.epoch + 1 if self.mid_epoch else self.epoch
+        if first_full < epochs:
+            out.append((first_full, epochs, 0))
+        return out
+
 
 def plan(manifest: dict | None, *, global_batch: int, steps_per_epoch: int,
          deterministic: bool) -> ResumePoint:

@@ -128,6 +128,31 @@ def _watch_parent(poll: float = 0.5) -> None:
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
+def _build_model(spec: JobSpec, strategy, data):
+    """Build and compile the job's model in ``strategy``'s scope, with every variable a
+    checkpoint holds created now (model, metrics, optimizer), so that it can be restored."""
+    import keras
+
+    from . import datasets
+
+    with strategy.scope():
+        model = _call_factory(spec, "model")
+        if not isinstance(model, keras.Model):
+            raise JobError(f"{spec.job_path}: key 'model': the factory returned "
+                           f"{type(model).__name__}, expected a keras.Model")
+        _compile(model, spec)
+        x, y = datasets.sample_batch(data, 2)
+        y_pred = model(x, training=False)  # builds the model (no RNG, no statistics moved)
+        try:  # and the metrics, whose running state a mid-epoch checkpoint holds
+            model.compute_metrics(x, y, y_pred)
+            model.reset_metrics()
+        except Exception as exc:  # noqa: BLE001 - built at the first step instead
+            print(f"[worker] metrics not built before training ({exc}); a mid-epoch resume "
+                  f"then restarts the epoch's metrics", flush=True)
+        model.optimizer.build(model.trainable_variables)
+    return model
+
+
 def train(spec: JobSpec, rd: RunDir, attempt: int, progress, t_start: float) -> dict:
     """The attempt itself; returns a summary. Raises on any failure."""
     from .accelerators import split_cpu
@@ -156,21 +181,8 @@ def train(spec: JobSpec, rd: RunDir, attempt: int, progress, t_start: float) -> 
     data = datasets.normalise(_call_factory(spec, "data"), f"{spec.job_path}: key 'data'")
     spe = datasets.steps_per_epoch(data.num_examples, global_batch, drop_remainder=is_tpu)
 
+    model = _build_model(spec, strategy, data)
     with strategy.scope():
-        model = _call_factory(spec, "model")
-        if not isinstance(model, keras.Model):
-            raise JobError(f"{spec.job_path}: key 'model': the factory returned "
-                           f"{type(model).__name__}, expected a keras.Model")
-        _compile(model, spec)
-        x, y = datasets.sample_batch(data, 2)
-        y_pred = model(x, training=False)  # builds the model (no RNG, no statistics moved)
-        try:  # and the metrics, whose running state a mid-epoch checkpoint holds
-            model.compute_metrics(x, y, y_pred)
-            model.reset_metrics()
-        except Exception as exc:  # noqa: BLE001 - built at the first step instead
-            print(f"[worker] metrics not built before training ({exc}); a mid-epoch resume "
-                  f"then restarts the epoch's metrics", flush=True)
-        model.optimizer.build(model.trainable_variables)
         schedule = _schedule(spec, model.optimizer)
     job_callbacks = _job_callbacks(spec)
     states = CallbackStates(job_callbacks)
@@ -249,13 +261,7 @@ def train(spec: JobSpec, rd: RunDir, attempt: int, progress, t_start: float) -> 
                            base_manifest, states),
     ]
     training = OneTraining(inner)
-    # The rest of an interrupted epoch is a fit call of its own (Keras cannot start an epoch
-    # at a batch), then the remaining epochs are one more.
-    segments = [(at.epoch, at.epoch + 1, at.batch)] if at.mid_epoch else []
-    first_full = at.epoch + 1 if at.mid_epoch else at.epoch
-    if first_full < spec.epochs:
-        segments.append((first_full, spec.epochs, 0))
-    for begin, end, skip in segments:
+    for begin, end, skip in at.segments(spec.epochs):
         prog_cb.batch_offset = skip
         train_ds = datasets.train_dataset(data, spec.seed, begin, end, global_batch,
                                           drop_remainder=is_tpu, skip_batches=skip)

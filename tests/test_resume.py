@@ -41,3 +41,13 @@ def test_stopped_early_and_an_old_position_past_the_epoch():
     assert plan(_m(stopped_early=True), global_batch=32, steps_per_epoch=45,
                 deterministic=True).stopped_early
     assert plan(_m(batch=50), global_batch=32, steps_per_epoch=45, deterministic=True).batch == 44
+
+
+def test_fit_segments_finish_the_interrupted_epoch_first():
+    mid = plan(_m(), global_batch=32, steps_per_epoch=45, deterministic=True)
+    assert mid.segments(5) == [(2, 3, 5), (3, 5, 0)]
+    assert mid.segments(3) == [(2, 3, 5)]
+    assert plan(_m(batch=0), global_batch=32, steps_per_epoch=45,
+                deterministic=True).segments(5) == [(2, 5, 0)]
+    assert plan(None, global_batch=32, steps_per_epoch=45, deterministic=True).segments(2) == [
+        (0, 2, 0)]
