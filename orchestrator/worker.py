@@ -153,8 +153,14 @@ def _build_model(spec: JobSpec, strategy, data):
     return model
 
 
-def train(spec: JobSpec, rd: RunDir, attempt: int, progress, t_start: float) -> dict:
-    """The attempt itself; returns a summary. Raises on any failure."""
+def train(spec: JobSpec, rd: RunDir, attempt: int, progress, t_start: float,
+          marks: dict | None = None) -> dict:
+    """The attempt itself; returns a summary. Raises on any failure.
+
+    ``marks`` collects seconds since ``t_start`` at each start-up phase (``tf_imported``,
+    ``model_built``, ``restored``), journaled with ``worker_ready``: where a recovery's time goes.
+    """
+    marks = {} if marks is None else marks
     from .accelerators import split_cpu
 
     split_cpu(os.environ.get(CPU_DEVICES_ENV))  # before TensorFlow initialises its devices
@@ -186,6 +192,7 @@ def train(spec: JobSpec, rd: RunDir, attempt: int, progress, t_start: float) -> 
         schedule = _schedule(spec, model.optimizer)
     job_callbacks = _job_callbacks(spec)
     states = CallbackStates(job_callbacks)
+    marks["model_built"] = round(time.time() - t_start, 3)
 
     store = CheckpointStore(rd.checkpoints)
     store.remove_partial()
@@ -217,13 +224,15 @@ def train(spec: JobSpec, rd: RunDir, attempt: int, progress, t_start: float) -> 
             at.not_exact.append("the optimizer uses EMA, whose weights Keras swaps in at the end "
                                 "of each fit call (finalize_variable_values): the resumed epoch "
                                 "ends one call early")
+    marks["restored"] = round(time.time() - t_start, 3)
     progress.epoch, progress.batch, progress.step = at.epoch, at.batch, at.step
     journal.append("worker_ready", source="worker", attempt=attempt, strategy=described,
                    replicas=replicas, global_batch=global_batch, steps_per_epoch=spe,
                    resumed_from_epoch=at.epoch, resumed_from_batch=at.batch,
                    resumed_from_step=at.step, deterministic=spec.deterministic,
                    restored_state_sha256=restored,
-                   startup_s=round(time.time() - t_start, 3))
+                   startup_s=round(time.time() - t_start, 3), started_at=round(t_start, 3),
+                   phases_s=marks)
 
     def not_exact(reasons):
         journal.append("resume_not_exact", source="worker", attempt=attempt, step=at.step,
@@ -310,10 +319,11 @@ def main(argv=None) -> int:
     progress = Progress()
     try:
         _import_tensorflow()
+        marks = {"tf_imported": round(time.time() - t_start, 3)}
         from . import datasets, state
 
         try:
-            summary = train(spec, rd, args.attempt, progress, t_start)
+            summary = train(spec, rd, args.attempt, progress, t_start, marks)
         except (datasets.DataError, state.StateMismatch) as exc:
             raise JobError(str(exc)) from exc
     except JobError as exc:

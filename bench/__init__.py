@@ -1,0 +1,1 @@
+"""The benchmark (run with scripts/bench); results in bench/results.{md,json}."""

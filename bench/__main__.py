@@ -1,0 +1,180 @@
+"""The benchmark: overhead, recovery time, goodput under kills and footprint of the orchestrator,
+side by side with a plain Keras script (with and without BackupAndRestore, and in a shell
+restart loop), on the digits job and a larger synthetic ResNet job. Run it with ``scripts/bench``
+(``--quick`` for a smoke run); it writes ``bench/results.{md,json}`` and BENCHMARKS.md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+
+from . import arms, report
+from .stats import interleaved
+
+ARMS = ("orchestrator", "keras_fit_backup", "keras_fit")
+
+
+@dataclass(frozen=True)
+class Config:
+    mode: str
+    reps: int              # runs of each arm per job for the overhead (interleaved)
+    digits_epochs: int
+    synth_examples: int    # synthetic CIFAR-sized images (1/8 of them for validation)
+    synth_epochs: int
+    recovery_kills: int    # kills in the digits recovery run
+    fault_reps: int        # runs each with a raised accelerator error and with a hang
+    goodput_reps: int      # runs of each goodput arm (interleaved)
+    kill_every_s: float    # mean gap of the seeded SIGKILL schedule
+    kills: int
+    hang_timeout_s: float
+    seed: int = 20261202
+
+
+FULL = Config("full", reps=3, digits_epochs=10, synth_examples=1152, synth_epochs=7,
+              recovery_kills=3, fault_reps=2, goodput_reps=1, kill_every_s=25.0, kills=2,
+              hang_timeout_s=10.0)
+QUICK = Config("quick", reps=1, digits_epochs=4, synth_examples=384, synth_epochs=3,
+               recovery_kills=1, fault_reps=1, goodput_reps=1, kill_every_s=12.0, kills=1,
+               hang_timeout_s=5.0)
+RESTARTS = {"max": 10, "backoff": {"initial": arms.RESTART_DELAY_S, "max": arms.RESTART_DELAY_S}}
+
+
+def say(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def faults_available() -> bool:
+    """Does this orchestrator have ``run --fault`` (fault injection, issue 3)?"""
+    out = subprocess.run([sys.executable, "-m", "orchestrator", "run", "--help"],
+                         capture_output=True, text=True, cwd=arms.ROOT)
+    return "--fault" in out.stdout
+
+
+def prepare_jobs(cfg: Config, work: str, hang_timeout: bool) -> dict[str, str]:
+    common = {"restarts": RESTARTS}
+    if hang_timeout:
+        common["hang_timeout"] = cfg.hang_timeout_s
+    digits = arms.prepare_job(os.path.join(arms.ROOT, "jobs", "digits", "job.yaml"),
+                              os.path.join(work, "jobs", "digits"),
+                              dict(common, epochs=cfg.digits_epochs))
+    synthetic = arms.prepare_job(
+        os.path.join(arms.ROOT, "jobs", "cifar10_resnet", "job.yaml"),
+        os.path.join(work, "jobs", "synthetic"),
+        dict(common, name="synthetic_resnet20", epochs=cfg.synth_epochs,
+             data={"args": {"synthetic": True, "synthetic_examples": cfg.synth_examples}}))
+    return {"digits": digits, "synthetic": synthetic}
+
+
+def run_arm(arm: str, job: str, where: str, **kw) -> dict:
+    if arm == "orchestrator":
+        return arms.run_orchestrator(job, where, **kw)
+    return arms.run_keras(job, where, backup=arm != "keras_fit", **kw)
+
+
+def overhead(jobs: dict, cfg: Config, work: str) -> dict:
+    out = {}
+    for name, job in jobs.items():
+        runs = {a: [] for a in ARMS}
+        for rep, arm in interleaved(ARMS, cfg.reps):
+            r = run_arm(arm, job, os.path.join(work, "overhead", name, f"{arm}-{rep}"))
+            runs[arm].append(r)
+            say(f"overhead {name} rep {rep + 1}/{cfg.reps} {arm}: rc {r['rc']}, "
+                f"{r['wall_s']:.2f} s wall, {r['train_s']} s training")
+        out[name] = runs
+    return out
+
+
+def recovery(jobs: dict, cfg: Config, work: str, faults: bool) -> dict:
+    out = {"digits/kill": [arms.run_orchestrator(
+        jobs["digits"], os.path.join(work, "recovery", "kill"),
+        plan=arms.KillPlan(after_checkpoint=cfg.recovery_kills))]}
+    say(f"recovery digits kill: {len(out['digits/kill'][0]['recoveries'])} sample(s)")
+    if not faults:
+        say("recovery: `orchestrator run --fault` is not in this version; raise and hang skipped")
+        return out
+    step = 60  # in the 2nd epoch of digits (45 steps), after a checkpoint
+    for kind, fault in (("raise", f"raise=accelerator_context@step={step}"),
+                        ("hang", f"hang@step={step}")):
+        out[f"digits/{kind}"] = []
+        for rep in range(cfg.fault_reps):
+            r = arms.run_orchestrator(jobs["digits"],
+                                      os.path.join(work, "recovery", f"{kind}-{rep}"),
+                                      extra_args=("--fault", fault))
+            out[f"digits/{kind}"].append(r)
+            say(f"recovery digits {kind} rep {rep + 1}: rc {r['rc']}, "
+                f"{len(r['recoveries'])} sample(s), failures {r['failures']}")
+    return out
+
+
+def goodput(jobs: dict, cfg: Config, work: str) -> dict:
+    schedule = arms.kill_schedule(cfg.seed, cfg.kill_every_s, cfg.kills)
+    out = {"schedule_s": schedule, "orchestrator": [], "restart_loop": []}
+    for rep, arm in interleaved(("orchestrator", "restart_loop"), cfg.goodput_reps):
+        where = os.path.join(work, "goodput", f"{arm}-{rep}")
+        plan = arms.KillPlan(offsets=schedule)
+        if arm == "orchestrator":
+            r = arms.run_orchestrator(jobs["synthetic"], where, plan=plan)
+        else:
+            r = arms.run_keras(jobs["synthetic"], where, backup=True, loop=True, loop_plan=plan)
+        out[arm].append(r)
+        say(f"goodput {arm} rep {rep + 1}: rc {r['rc']}, {r['wall_s']:.1f} s, "
+            f"{len(r['kills'])} kill(s)")
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="scripts/bench", description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true",
+                   help="a smoke run (about 3 minutes): one repetition, small jobs")
+    p.add_argument("--out", default=os.path.join(arms.ROOT, "bench"),
+                   help="where results.md/json (quick.md/json with --quick) go")
+    p.add_argument("--work", help="scratch directory for run dirs (default: a new temp dir)")
+    p.add_argument("--no-benchmarks-md", action="store_true",
+                   help="do not update BENCHMARKS.md (a full run updates it by default)")
+    args = p.parse_args(argv)
+    cfg = QUICK if args.quick else FULL
+    work = args.work or tempfile.mkdtemp(prefix="orchestrator-bench-")
+    faults = faults_available()
+    jobs = prepare_jobs(cfg, work, hang_timeout=faults)
+    say(f"{cfg.mode} run in {work}; faults injection {'available' if faults else 'absent'}")
+    t0 = time.time()
+    subprocess.run([sys.executable, "-c", "import tensorflow"], capture_output=True)  # warm cache
+    results = {"config": asdict(cfg), "machine": report.machine(), "work_dir": work,
+               "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t0)),
+               "faults_injection": faults}
+    stem = "quick" if args.quick else "results"
+    json_path = os.path.join(args.out, f"{stem}.json")
+
+    def save():
+        results["duration_s"] = round(time.time() - t0, 1)
+        with open(json_path, "w", encoding="utf-8") as f:
+            json.dump(results, f, indent=1, default=str)
+
+    results["overhead"] = overhead(jobs, cfg, work)
+    save()
+    results["goodput"] = goodput(jobs, cfg, work)
+    save()
+    results["recovery"] = recovery(jobs, cfg, work, faults)
+    results["machine"]["load_after"] = report.machine()["load"]
+    save()
+    summary = report.summarise(results)
+    results["summary"] = summary
+    save()
+    md = report.markdown(results)
+    with open(os.path.join(args.out, f"{stem}.md"), "w", encoding="utf-8") as f:
+        f.write(md)
+    if not args.quick and not args.no_benchmarks_md:
+        report.update_benchmarks(os.path.join(arms.ROOT, "BENCHMARKS.md"), md)
+    say(f"done in {results['duration_s']:.0f} s: {json_path}")
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

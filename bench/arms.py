@@ -1,0 +1,253 @@
+"""The bench's arms: one run of the orchestrator, of the plain Keras script, or of the plain
+script in a shell restart loop, each watched (footprint, progress) and optionally killed.
+
+Kills are SIGKILLs sent from here, as a preemption would: either on a fixed schedule of seconds
+after launch (goodput), or each time an attempt has committed a checkpoint after its first step
+(recovery: there is then always a checkpoint to restore).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from dataclasses import dataclass, field
+
+import yaml
+
+from orchestrator import heartbeat
+from orchestrator.checkpoints import CheckpointStore
+from orchestrator.journal import Journal
+from orchestrator.osutil import read_json
+
+from . import breakdown, procs
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+BASELINE = os.path.join(HERE, "baseline_fit.py")
+RESTART_LOOP = os.path.join(HERE, "restart_loop.sh")
+RESTART_DELAY_S = 1.0  # the shell loop's sleep, and the orchestrator's backoff in bench jobs
+
+
+def prepare_job(src: str, dest_dir: str, overrides: dict) -> str:
+    """Copy a job (YAML + its factory modules) into ``dest_dir``, with top-level overrides."""
+    os.makedirs(dest_dir, exist_ok=True)
+    with open(src, encoding="utf-8") as f:
+        job = yaml.safe_load(f)
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(job.get(key), dict):
+            job[key] = _merge(job[key], value)
+        else:
+            job[key] = value
+    for name in os.listdir(os.path.dirname(os.path.abspath(src))):
+        if name.endswith(".py"):
+            shutil.copy(os.path.join(os.path.dirname(os.path.abspath(src)), name), dest_dir)
+    path = os.path.join(dest_dir, "job.yaml")
+    with open(path, "w", encoding="utf-8") as f:
+        yaml.safe_dump(job, f, sort_keys=False)
+    return path
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+@dataclass
+class KillPlan:
+    offsets: tuple = ()        # kill at these seconds after launch (the goodput schedule) ...
+    after_checkpoint: int = 0  # ... or this many times, each once the attempt has committed one
+
+    def due(self, now: float, launched: float, kills: int, checkpointed: bool) -> bool:
+        if self.offsets:
+            return kills < len(self.offsets) and now >= launched + self.offsets[kills]
+        return kills < self.after_checkpoint and checkpointed
+
+
+@dataclass
+class _Watch:
+    plan: KillPlan | None
+    launched: float | None = None
+    kills: list = field(default_factory=list)
+    child_fp: dict = field(default_factory=dict)  # pid -> Footprint of the training process
+
+
+class OrchestratorWatch(_Watch):
+    """Follows the journal and heartbeat of a run; kills its current worker per the plan."""
+
+    def __init__(self, run_dir: str, plan: KillPlan | None):
+        super().__init__(plan)
+        self.run_dir = run_dir
+        self.journal = Journal(os.path.join(run_dir, "events.jsonl"))
+        self.store = CheckpointStore(os.path.join(run_dir, "checkpoints"))
+        self.last_beat: dict[int, float] = {}  # attempt -> time of its last heartbeat seen
+        self._killed: set[int] = set()
+
+    def __call__(self, now: float, pid: int) -> None:
+        if self.launched is None:
+            self.launched = now
+        beat = heartbeat.read(self.run_dir)
+        if beat and "attempt" in beat:
+            self.last_beat[beat["attempt"]] = max(self.last_beat.get(beat["attempt"], 0),
+                                                  beat.get("time", 0))
+        events = self.journal.events()
+        ended = {e["attempt"] for e in events if e["event"] == "attempt_ended"}
+        live = [e for e in events if e["event"] == "attempt_started" and e["attempt"] not in ended]
+        if not live:
+            return
+        n, wpid = live[-1]["attempt"], live[-1]["pid"]
+        self.child_fp.setdefault(wpid, procs.Footprint()).sample(wpid)
+        if self.plan is None or n in self._killed:
+            return
+        first = next((e["ts"] for e in events
+                      if e["event"] == "first_step" and e.get("attempt") == n), None)
+        checkpointed = first is not None and any(
+            e["event"] == "checkpoint_committed" and e["ts"] > first for e in events)
+        if not self.plan.due(now, self.launched, len(self.kills), checkpointed):
+            return
+        ready = next((e for e in events if e["event"] == "worker_ready"
+                      and e.get("attempt") == n), None)
+        latest = self.store.latest_valid()
+        t = procs.kill(wpid, group=True)
+        if t is None:
+            return
+        self._killed.add(n)
+        spe = ready["steps_per_epoch"] if ready else 0
+        self.kills.append({"ts": t, "attempt": n, "pid": wpid, "since_launch_s": round(
+            t - self.launched, 3), "reached": breakdown.heartbeat_progress(beat, n, spe) or 0,
+            "saved": latest.step if latest else 0})
+
+
+class LoopWatch(_Watch):
+    """Follows the shell loop's Python child and its event lines; kills the child per the plan."""
+
+    def __init__(self, events_path: str, plan: KillPlan | None):
+        super().__init__(plan)
+        self.events_path = events_path
+
+    def __call__(self, now: float, pid: int) -> None:
+        if self.launched is None:
+            self.launched = now
+        kids = [c for c in procs.children(pid) if procs.command_name(c).startswith("python")]
+        if not kids:
+            return
+        child = kids[0]
+        self.child_fp.setdefault(child, procs.Footprint()).sample(child)
+        if self.plan is None or any(k["pid"] == child for k in self.kills):
+            return
+        if not self.plan.due(now, self.launched, len(self.kills), checkpointed=False):
+            return
+        lines = read_lines(self.events_path)
+        spe = next((e["steps_per_epoch"] for e in lines if e["event"] == "train_begin"), 0)
+        reached, saved = breakdown.baseline_progress(lines, child, spe)
+        t = procs.kill(child, group=False)
+        if t is not None:
+            self.kills.append({"ts": t, "pid": child, "since_launch_s": round(
+                t - self.launched, 3), "reached": reached, "saved": saved})
+
+
+def read_lines(path: str) -> list[dict]:
+    """The baseline's event lines (a line torn by a kill is skipped)."""
+    out = []
+    try:
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                try:
+                    out.append(json.loads(line))
+                except json.JSONDecodeError:
+                    continue
+    except FileNotFoundError:
+        return []
+    return out
+
+
+def _peak(fps: dict) -> float | None:
+    vals = [fp.peak_rss_mb for fp in fps.values() if fp.peak_rss_mb is not None]
+    return max(vals) if vals else None
+
+
+def run_orchestrator(job: str, run_dir: str, plan: KillPlan | None = None,
+                     extra_args: tuple = (), timeout: float = 900.0) -> dict:
+    """``orchestrator run JOB`` to its end; the journal read into timings and a fingerprint."""
+    os.makedirs(run_dir, exist_ok=True)
+    watch = OrchestratorWatch(run_dir, plan)
+    cmd = [sys.executable, "-m", "orchestrator", "run", job, "--run-dir", run_dir, *extra_args]
+    fin = procs.run(cmd, os.path.join(run_dir, "..", os.path.basename(run_dir) + ".out"),
+                    cwd=ROOT, timeout=timeout, on_poll=watch)
+    events = watch.journal.events()
+    ended = [e for e in events if e["event"] == "attempt_ended"]
+    deaths = {k["attempt"]: k["ts"] for k in watch.kills}
+    for e in ended:  # a raised error dies when it writes its record; a hang at its last beat
+        if e["attempt"] in deaths or e.get("exit_code") == 0:
+            continue
+        record = read_json(os.path.join(run_dir, "attempts", f"{e['attempt']}.error.json"))
+        if record and record.get("time") and not _is_hang(e, events):
+            deaths[e["attempt"]] = record["time"]
+        elif e["attempt"] in watch.last_beat:
+            deaths[e["attempt"]] = watch.last_beat[e["attempt"]]
+    return {
+        "rc": fin.rc, "timed_out": fin.timed_out, "wall_s": fin.wall_s,
+        "train_s": breakdown.training_span(events) if not ended[:-1] else None,
+        "fingerprint": breakdown.final_fingerprint(events),
+        "startup": breakdown.orchestrator_startup(events, fin.launched),
+        "supervisor": {"peak_rss_mb": fin.footprint.peak_rss_mb, "cpu_s": fin.footprint.cpu_s},
+        "worker_peak_rss_mb": _peak(watch.child_fp),
+        "attempts": len([e for e in events if e["event"] == "attempt_started"]),
+        "failures": [{"attempt": e["attempt"], "exit_code": e.get("exit_code"),
+                      "signal": e.get("signal"), "error": e.get("error"),
+                      "kind": e.get("kind")} for e in ended if e.get("exit_code") != 0],
+        "kills": watch.kills,
+        "recoveries": [dict(breakdown.orchestrator_recovery(events, n, t), attempt=n)
+                       for n, t in sorted(deaths.items())],
+    }
+
+
+def _is_hang(ended: dict, events: list[dict]) -> bool:
+    kind = ended.get("kind") or (ended.get("error") or {}).get("kind")
+    return kind == "hang" or any(e["event"] == "hang_detected" and e.get("attempt") ==
+                                 ended["attempt"] for e in events)
+
+
+def run_keras(job: str, work_dir: str, backup: bool, loop_plan: KillPlan | None = None,
+              loop: bool = False, timeout: float = 900.0) -> dict:
+    """The plain script once (``loop=False``) or in the shell restart loop, killed per plan."""
+    os.makedirs(work_dir, exist_ok=True)
+    events_path = os.path.join(work_dir, "events.jsonl")
+    cmd = [sys.executable, BASELINE, job, "--events", events_path]
+    if backup:
+        cmd += ["--backup-dir", os.path.join(work_dir, "backup")]
+    if loop:
+        cmd = [RESTART_LOOP, *cmd]
+    env = dict(os.environ, RESTART_DELAY=str(RESTART_DELAY_S), MAX_RESTARTS="10",
+               PYTHONUNBUFFERED="1")
+    watch = LoopWatch(events_path, loop_plan if loop else None)
+    fin = procs.run(cmd, os.path.join(work_dir, "out.log"), cwd=ROOT, env=env, timeout=timeout,
+                    on_poll=watch if loop else None)
+    lines = read_lines(events_path)
+    peak = _peak(watch.child_fp) if loop else fin.footprint.peak_rss_mb
+    return {
+        "rc": fin.rc, "timed_out": fin.timed_out, "wall_s": fin.wall_s,
+        "train_s": breakdown.baseline_training_span(lines) if not watch.kills else None,
+        "fingerprint": breakdown.baseline_fingerprint(lines),
+        "startup": breakdown.baseline_startup(lines, fin.launched),
+        "peak_rss_mb": peak,
+        "attempts": len({e["pid"] for e in lines}),
+        "kills": watch.kills,
+        "recoveries": [dict(breakdown.baseline_recovery(lines, k["pid"], k["ts"]), pid=k["pid"])
+                       for k in watch.kills],
+    }
+
+
+
+def kill_schedule(seed: int, mean_s: float, count: int) -> tuple:
+    """``count`` kill times (s after launch), gaps drawn uniformly in [0.75, 1.25] x ``mean_s``."""
+    import random
+
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    for _ in range(count):
+        t += rng.uniform(0.75 * mean_s, 1.25 * mean_s)
+        out.append(round(t, 2))
+    return tuple(out)

@@ -1,0 +1,120 @@
+"""The baseline: the same job as a plain Keras script, what a user writes without this tool.
+
+It reads the job's YAML only to train exactly the same thing (factories, compile settings,
+epochs, batch size, seed), then calls ``model.fit`` on the arrays with ``shuffle=True``. With
+``--backup-dir`` it adds Keras ``BackupAndRestore`` at the job's checkpoint frequency, and run
+again by a shell loop (``bench/restart_loop.sh``) it is what users do today to survive a
+preemption.
+
+Bench instrumentation, kept apart: ``--events FILE`` appends one JSON line at start, after the
+TensorFlow import, after the model is built, when training begins (after the backup's restore),
+at the first step, about once a second with the epoch and batch reached, at each epoch end, and
+at the end with the weights' fingerprint (``orchestrator.checkpoints.weights_fingerprint``, the
+function the orchestrator's manifests use).
+"""
+import argparse
+import importlib
+import json
+import os
+import sys
+import time
+
+
+class Events:
+    def __init__(self, path):
+        self.path = path
+
+    def __call__(self, event, **fields):
+        if self.path:
+            with open(self.path, "a", encoding="utf-8") as f:
+                f.write(json.dumps({"ts": round(time.time(), 4), "event": event,
+                                    "pid": os.getpid(), **fields}) + "\n")
+
+
+def factory(spec, job_dir):
+    """``module:function`` or ``{factory: module:function, args: {...}}`` -> (function, args)."""
+    target, args = (spec["factory"], spec.get("args") or {}) if isinstance(spec, dict) else (spec, {})
+    module, func = target.split(":")
+    sys.path.insert(0, job_dir)
+    return getattr(importlib.import_module(module), func), args
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("job", help="the job's YAML file")
+    p.add_argument("--backup-dir", help="use keras.callbacks.BackupAndRestore in this directory")
+    p.add_argument("--events", help="bench instrumentation: append JSON lines to this file")
+    args = p.parse_args()
+    emit = Events(args.events)
+    emit("start")
+
+    import yaml
+
+    with open(args.job, encoding="utf-8") as f:
+        job = yaml.safe_load(f)
+    import keras
+    import tensorflow as tf
+
+    emit("tf_imported")
+    keras.utils.set_random_seed(job.get("seed", 0))
+    if job.get("deterministic"):
+        tf.config.experimental.enable_op_determinism()
+    job_dir = os.path.dirname(os.path.abspath(args.job))
+    load_data, data_args = factory(job["data"], job_dir)
+    build_model, model_args = factory(job["model"], job_dir)
+    data = load_data(**data_args)
+    model = build_model(**model_args)
+    c = job["compile"]
+    model.compile(optimizer=c.get("optimizer", "adam"), loss=c["loss"], metrics=c.get("metrics"))
+    emit("model_built")
+
+    x, y = data["train"]
+    batch, epochs = job["batch_size"], job["epochs"]
+    steps_per_epoch = -(-len(x) // batch)
+    callbacks = []
+    if args.backup_dir:
+        every = job.get("checkpoint", {}).get("every_epochs", 1)
+        callbacks.append(keras.callbacks.BackupAndRestore(
+            args.backup_dir, save_freq="epoch" if every == 1 else every * steps_per_epoch))
+    if args.events:
+        callbacks.append(make_instrument(emit, steps_per_epoch))
+    model.fit(x, y, batch_size=batch, epochs=epochs, validation_data=data.get("validation"),
+              shuffle=True, callbacks=callbacks, verbose=2)
+
+    from orchestrator.checkpoints import weights_fingerprint
+    import numpy as np
+
+    emit("end", weights_sha256=weights_fingerprint(np.asarray(w.numpy()) for w in model.weights))
+
+
+def make_instrument(emit, steps_per_epoch):
+    """A Callback class needs keras, which this script imports late, to time the import."""
+    import keras
+
+    class _Instrument(keras.callbacks.Callback):
+        """Bench only: when training begins, its first step, progress, epoch ends."""
+
+        def on_train_begin(self, logs=None):
+            self.epoch, self.last, self.first = 0, 0.0, True
+            emit("train_begin", steps_per_epoch=steps_per_epoch)
+
+        def on_epoch_begin(self, epoch, logs=None):
+            self.epoch = epoch
+
+        def on_train_batch_end(self, batch, logs=None):
+            if self.first:
+                self.first = False
+                emit("first_step", epoch=self.epoch)
+            now = time.time()
+            if now - self.last >= 1.0:
+                self.last = now
+                emit("progress", epoch=self.epoch, batch=batch + 1)
+
+        def on_epoch_end(self, epoch, logs=None):
+            emit("epoch_end", epoch=epoch + 1)
+
+    return _Instrument()
+
+
+if __name__ == "__main__":
+    main()

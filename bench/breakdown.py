@@ -1,0 +1,167 @@
+"""Where the time goes: recovery and start-up timelines read from the run journal (orchestrator)
+or from the baseline script's event lines, and the steps a kill made redo.
+
+A timeline is a list of (point, timestamp) in order; a phase is the time from the previous point
+that was measured to this one, so a point that one side cannot see (the shell loop's moment of
+detection) folds into the next phase instead of inventing a number.
+"""
+from __future__ import annotations
+
+POINTS = ("detected", "process_started", "python_ready", "tf_imported", "model_built",
+          "restored", "first_step")
+LABELS = {
+    "detected": "death -> detected",
+    "process_started": "-> worker process started",
+    "python_ready": "-> Python + imports",
+    "tf_imported": "-> TensorFlow imported",
+    "model_built": "-> strategy, data, model built",
+    "restored": "-> checkpoint restored",
+    "first_step": "-> first step done",
+}
+
+
+def phases(start: float, points: dict[str, float | None]) -> dict[str, float | None]:
+    """Seconds spent reaching each point from the previous measured one, plus ``total``."""
+    out: dict[str, float | None] = {}
+    prev = start
+    for name in POINTS:
+        t = points.get(name)
+        if t is None:
+            out[name] = None
+            continue
+        out[name] = round(t - prev, 3)
+        prev = t
+    end = points.get("first_step")
+    out["total"] = None if end is None else round(end - start, 3)
+    return out
+
+
+def _index(events: list[dict]) -> dict[tuple[str, int], dict]:
+    """(event, attempt) -> the first such event."""
+    idx: dict[tuple[str, int], dict] = {}
+    for e in events:
+        if "attempt" in e:
+            idx.setdefault((e["event"], e["attempt"]), e)
+    return idx
+
+
+def _worker_points(idx: dict, attempt: int) -> dict[str, float | None]:
+    started = idx.get(("attempt_started", attempt))
+    ready = idx.get(("worker_ready", attempt)) or {}
+    first = idx.get(("first_step", attempt))
+    t0, marks = ready.get("started_at"), ready.get("phases_s") or {}
+    pts = {"process_started": started["ts"] if started else None, "python_ready": t0,
+           "first_step": first["ts"] if first else None}
+    for name in ("tf_imported", "model_built", "restored"):
+        pts[name] = t0 + marks[name] if t0 is not None and name in marks else None
+    return pts
+
+
+def orchestrator_recovery(events: list[dict], attempt: int, death: float) -> dict:
+    """The recovery from the death of ``attempt`` to the first step of the next attempt."""
+    idx = _index(events)
+    ended = idx.get(("attempt_ended", attempt))
+    pts = _worker_points(idx, attempt + 1)
+    pts["detected"] = ended["ts"] if ended else None
+    return phases(death, pts)
+
+
+def orchestrator_startup(events: list[dict], launched: float, attempt: int = 1) -> dict:
+    """A cold start: from launching ``orchestrator run`` to the first step of ``attempt``."""
+    pts = _worker_points(_index(events), attempt)
+    return phases(launched, pts)
+
+
+def _by_pid(lines: list[dict]) -> list[tuple[int, list[dict]]]:
+    """The baseline's event lines grouped per process, in the order the processes started."""
+    groups: dict[int, list[dict]] = {}
+    for e in lines:
+        groups.setdefault(e["pid"], []).append(e)
+    return list(groups.items())
+
+
+def _baseline_points(proc_events: list[dict]) -> dict[str, float | None]:
+    first = {}
+    for e in proc_events:
+        first.setdefault(e["event"], e["ts"])
+    return {"python_ready": first.get("start"), "tf_imported": first.get("tf_imported"),
+            "model_built": first.get("model_built"), "restored": first.get("train_begin"),
+            "first_step": first.get("first_step")}
+
+
+def baseline_startup(lines: list[dict], launched: float) -> dict:
+    """The plain script's cold start: from its launch to its first step (the floor)."""
+    procs = _by_pid(lines)
+    return phases(launched, _baseline_points(procs[0][1]) if procs else {})
+
+
+def baseline_recovery(lines: list[dict], killed_pid: int, death: float) -> dict:
+    """From killing ``killed_pid`` to the first step of the process the shell loop started next.
+
+    The loop's moment of detection and the new process's start are not observable, so the
+    time until the new script's first line folds into ``python_ready``.
+    """
+    procs = _by_pid(lines)
+    pids = [pid for pid, _ in procs]
+    if killed_pid not in pids or pids.index(killed_pid) + 1 >= len(pids):
+        return phases(death, {})
+    return phases(death, _baseline_points(procs[pids.index(killed_pid) + 1][1]))
+
+
+def baseline_progress(lines: list[dict], pid: int, steps_per_epoch: int) -> tuple[int, int]:
+    """(steps reached by ``pid``, steps saved by any process so far) from the event lines.
+
+    BackupAndRestore saves at each epoch end (before the instrument's ``epoch_end`` line) and
+    restarts an interrupted epoch from its first batch.
+    """
+    reached, saved = 0, 0
+    for e in lines:
+        if e["event"] == "epoch_end":
+            saved = max(saved, e["epoch"] * steps_per_epoch)
+            if e["pid"] == pid:
+                reached = max(reached, e["epoch"] * steps_per_epoch)
+        elif e["event"] == "progress" and e["pid"] == pid:
+            reached = max(reached, e["epoch"] * steps_per_epoch + e["batch"])
+    return reached, saved
+
+
+def heartbeat_progress(beat: dict | None, attempt: int, steps_per_epoch: int) -> int | None:
+    """Steps reached by ``attempt`` according to its heartbeat, or None if it is not its beat."""
+    if not beat or beat.get("attempt") != attempt:
+        return None
+    return int(beat.get("epoch", 0)) * steps_per_epoch + int(beat.get("batch", 0))
+
+
+def steps_redone(kills: list[dict]) -> int:
+    """Steps trained after the last saved state by the processes that were killed."""
+    return sum(max(0, (k.get("reached") or 0) - (k.get("saved") or 0)) for k in kills)
+
+
+def training_span(events: list[dict]) -> float | None:
+    """An uninterrupted orchestrator run's training time: first step to the last commit."""
+    first = next((e["ts"] for e in events if e["event"] == "first_step"), None)
+    commits = [e["ts"] for e in events if e["event"] == "checkpoint_committed"]
+    return None if first is None or not commits else round(commits[-1] - first, 3)
+
+
+def baseline_training_span(lines: list[dict]) -> float | None:
+    """The plain script's training time: first step to the end of ``fit``."""
+    first = next((e["ts"] for e in lines if e["event"] == "first_step"), None)
+    end = next((e["ts"] for e in lines if e["event"] == "end"), None)
+    return None if first is None or end is None else round(end - first, 3)
+
+
+def final_fingerprint(events: list[dict]) -> str | None:
+    return next((e.get("weights_sha256") for e in reversed(events)
+                 if e["event"] == "run_completed"), None)
+
+
+def baseline_fingerprint(lines: list[dict]) -> str | None:
+    return next((e.get("weights_sha256") for e in reversed(lines) if e["event"] == "end"), None)
+
+
+def median_phases(samples: list[dict]) -> dict[str, float | None]:
+    """The median of each phase (and of ``total``) over recovery or start-up samples."""
+    from .stats import median
+
+    return {k: median(s.get(k) for s in samples) for k in (*POINTS, "total")}

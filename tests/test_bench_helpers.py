@@ -1,0 +1,133 @@
+"""The bench's pure helpers on fixtures: statistics, tables, journal-based recovery breakdowns,
+goodput bookkeeping and the report. The benchmark itself is not run here (scripts/bench)."""
+import json
+import os
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+sys.path.insert(0, ROOT)
+from bench import arms, breakdown, report, stats  # noqa: E402
+
+FIXTURES = os.path.join(ROOT, "tests", "fixtures", "bench")
+
+
+@pytest.fixture
+def journal():
+    with open(os.path.join(FIXTURES, "journal.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.fixture
+def baseline_lines():
+    return arms.read_lines(os.path.join(FIXTURES, "baseline_events.jsonl"))
+
+
+def test_median_spread_and_paired_ratios_skip_missing_values():
+    assert stats.median([3.0, None, 1.0, 2.0]) == 2.0
+    assert stats.median([None]) is None
+    assert stats.spread([2.0, None, 5.0, 1.0]) == (1.0, 5.0)
+    assert stats.paired_ratios([2.0, None, 9.0, 4.0], [1.0, 3.0, 3.0, 0.0]) == [2.0, 3.0]
+    assert stats.fmt_median([1.0, 3.0, 2.0]) == "2.00 (1.00-3.00, n=3)"
+    assert stats.fmt_median([None]) == "-"
+
+
+def test_interleaved_order_runs_every_arm_once_per_repetition():
+    assert stats.interleaved(["A", "B"], 2) == [(0, "A"), (0, "B"), (1, "A"), (1, "B")]
+
+
+def test_markdown_table_escapes_pipes():
+    assert stats.md_table(["a", "b|c"], [[1, "x|y"]]).splitlines() == [
+        "| a | b\\|c |", "|---|---|", "| 1 | x\\|y |"]
+
+
+def test_recovery_breakdown_from_the_journal(journal):
+    ph = breakdown.orchestrator_recovery(journal, attempt=1, death=1005.5)
+    assert ph == pytest.approx({"detected": 0.1, "process_started": 1.1, "python_ready": 0.2,
+                                "tf_imported": 1.9, "model_built": 0.9, "restored": 0.2,
+                                "first_step": 0.6, "total": 5.0})
+
+
+def test_cold_start_and_training_span_from_the_journal(journal):
+    ph = breakdown.orchestrator_startup(journal, launched=999.9)
+    assert ph["detected"] is None
+    assert ph["process_started"] == pytest.approx(0.2)
+    assert ph["total"] == pytest.approx(4.1)
+    assert breakdown.training_span(journal) == pytest.approx(8.0)
+    assert breakdown.final_fingerprint(journal) == "bb"
+
+
+def test_a_missing_point_folds_into_the_next_phase(journal):
+    no_ready = [e for e in journal if not (e["event"] == "worker_ready" and e["attempt"] == 2)]
+    ph = breakdown.orchestrator_recovery(no_ready, attempt=1, death=1005.5)
+    assert ph["python_ready"] is None and ph["tf_imported"] is None
+    assert ph["first_step"] == pytest.approx(1010.5 - 1006.7)
+    assert ph["total"] == pytest.approx(5.0)
+
+
+def test_shell_loop_recovery_and_progress_from_the_baseline_lines(baseline_lines):
+    assert len(baseline_lines) == 14  # the torn last line is skipped
+    ph = breakdown.baseline_recovery(baseline_lines, killed_pid=21, death=2006.0)
+    assert ph["detected"] is None and ph["process_started"] is None
+    assert ph["python_ready"] == pytest.approx(1.0)
+    assert ph["total"] == pytest.approx(5.0)
+    assert breakdown.baseline_recovery(baseline_lines, killed_pid=22, death=2014.0)["total"] is None
+    at_kill = baseline_lines[:7]
+    assert breakdown.baseline_progress(at_kill, 21, 10) == (17, 10)
+    assert breakdown.baseline_startup(baseline_lines, launched=2000.0)["total"] == pytest.approx(4.0)
+    assert breakdown.baseline_fingerprint(baseline_lines) == "cc"
+
+
+def test_steps_redone_and_heartbeat_progress():
+    assert breakdown.steps_redone([{"reached": 17, "saved": 10}, {"reached": 5, "saved": 10},
+                                   {"reached": 23, "saved": 20}]) == 10
+    assert breakdown.heartbeat_progress({"attempt": 2, "epoch": 3, "batch": 4}, 2, 10) == 34
+    assert breakdown.heartbeat_progress({"attempt": 1, "epoch": 3, "batch": 4}, 2, 10) is None
+
+
+def test_kill_schedule_is_seeded_and_spaced():
+    a = arms.kill_schedule(7, 20.0, 4)
+    assert a == arms.kill_schedule(7, 20.0, 4) != arms.kill_schedule(8, 20.0, 4)
+    gaps = [t - s for s, t in zip((0.0,) + a, a)]
+    assert all(15.0 <= g <= 25.0 for g in gaps)
+
+
+def test_kill_plan_on_schedule_or_after_a_checkpoint():
+    sched = arms.KillPlan(offsets=(10.0, 30.0))
+    assert not sched.due(105.0, 100.0, kills=0, checkpointed=True)
+    assert sched.due(110.0, 100.0, kills=0, checkpointed=False)
+    assert not sched.due(120.0, 100.0, kills=1, checkpointed=False)
+    assert not sched.due(200.0, 100.0, kills=2, checkpointed=False)
+    after = arms.KillPlan(after_checkpoint=1)
+    assert after.due(0, 0, kills=0, checkpointed=True)
+    assert not after.due(0, 0, kills=0, checkpointed=False)
+    assert not after.due(0, 0, kills=1, checkpointed=True)
+
+
+def test_summary_and_markdown_of_recorded_results():
+    with open(os.path.join(FIXTURES, "results.json")) as f:
+        results = json.load(f)
+    s = report.summarise(results)
+    o = results["overhead"]["digits"]
+    assert s["overhead"]["digits"]["wall_ratio_vs_backup"] == pytest.approx(
+        o["orchestrator"][0]["wall_s"] / o["keras_fit_backup"][0]["wall_s"])
+    useful = results["overhead"]["synthetic"]["keras_fit"][0]["train_s"]
+    wall = results["goodput"]["orchestrator"][0]["wall_s"]
+    assert s["goodput"]["orchestrator"]["goodput"] == pytest.approx(useful / wall)
+    assert s["recovery"]["digits/kill"]["n"] == 1
+    assert s["largest_recovery_cost"]["phase"] in breakdown.POINTS
+    results["summary"] = s
+    md = report.markdown(results)
+    assert "### 1. Overhead with no faults" in md
+    digits_row = next(line for line in md.splitlines() if line.startswith("| digits |"))
+    assert stats.fmt_ratio(s["overhead"]["digits"]["wall_ratio_vs_backup"]) in digits_row
+
+
+def test_benchmarks_md_keeps_the_prose_around_the_generated_part(tmp_path):
+    p = tmp_path / "BENCHMARKS.md"
+    p.write_text(f"# Benchmarks\n\nintro\n\n{report.BEGIN}\nold\n{report.END}\n\nnotes\n")
+    report.update_benchmarks(str(p), "new table")
+    text = p.read_text()
+    assert "intro" in text and "notes" in text and "new table" in text and "old" not in text
