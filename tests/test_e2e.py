@@ -288,3 +288,7 @@ def test_cifar10_resnet_synthetic_smoke(tmp_path):
     assert [e["epoch"] for e in events if e["event"] == "epoch_completed"] == [1, 2]
     ready = next(e for e in events if e["event"] == "worker_ready")
     assert ready["global_batch"] == 32 and ready["steps_per_epoch"] == 5
+    # where start-up time goes (scripts/bench's recovery breakdown): phases in order
+    ph = ready["phases_s"]
+    assert 0 < ph["tf_imported"] <= ph["model_built"] <= ph["restored"] <= ready["startup_s"]
+    assert ready["started_at"] <= next(e["ts"] for e in events if e["event"] == "first_step")
