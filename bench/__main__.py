@@ -56,19 +56,24 @@ def faults_available() -> bool:
     return "--fault" in out.stdout
 
 
-def prepare_jobs(cfg: Config, work: str, hang_timeout: bool) -> dict[str, str]:
-    common = {"restarts": RESTARTS}
-    if hang_timeout:
-        common["hang_timeout"] = cfg.hang_timeout_s
-    digits = arms.prepare_job(os.path.join(arms.ROOT, "jobs", "digits", "job.yaml"),
-                              os.path.join(work, "jobs", "digits"),
-                              dict(common, epochs=cfg.digits_epochs))
-    synthetic = arms.prepare_job(
-        os.path.join(arms.ROOT, "jobs", "cifar10_resnet", "job.yaml"),
-        os.path.join(work, "jobs", "synthetic"),
-        dict(common, name="synthetic_resnet20", epochs=cfg.synth_epochs,
-             data={"args": {"synthetic": True, "synthetic_examples": cfg.synth_examples}}))
-    return {"digits": digits, "synthetic": synthetic}
+def prepare_jobs(cfg: Config, work: str, faults: bool) -> dict[str, str]:
+    """The two jobs with the bench's restart policy (and, for hangs, a short hang_timeout)."""
+    digits_src = os.path.join(arms.ROOT, "jobs", "digits", "job.yaml")
+    jobs = {
+        "digits": arms.prepare_job(digits_src, os.path.join(work, "jobs", "digits"),
+                                   {"restarts": RESTARTS, "epochs": cfg.digits_epochs}),
+        "synthetic": arms.prepare_job(
+            os.path.join(arms.ROOT, "jobs", "cifar10_resnet", "job.yaml"),
+            os.path.join(work, "jobs", "synthetic"),
+            {"name": "synthetic_resnet20", "restarts": RESTARTS, "epochs": cfg.synth_epochs,
+             "data": {"args": {"synthetic": True, "synthetic_examples": cfg.synth_examples}}}),
+    }
+    if faults:  # only this job: a slow first step (tracing) must not pass for a hang elsewhere
+        jobs["digits_hang"] = arms.prepare_job(
+            digits_src, os.path.join(work, "jobs", "digits_hang"),
+            {"restarts": RESTARTS, "epochs": cfg.digits_epochs,
+             "hang_timeout": cfg.hang_timeout_s})
+    return jobs
 
 
 def run_arm(arm: str, job: str, where: str, **kw) -> dict:
@@ -79,8 +84,8 @@ def run_arm(arm: str, job: str, where: str, **kw) -> dict:
 
 def overhead(jobs: dict, cfg: Config, work: str) -> dict:
     out = {}
-    for name, job in jobs.items():
-        runs = {a: [] for a in ARMS}
+    for name in ("digits", "synthetic"):
+        job, runs = jobs[name], {a: [] for a in ARMS}
         for rep, arm in interleaved(ARMS, cfg.reps):
             r = run_arm(arm, job, os.path.join(work, "overhead", name, f"{arm}-{rep}"))
             runs[arm].append(r)
@@ -99,11 +104,11 @@ def recovery(jobs: dict, cfg: Config, work: str, faults: bool) -> dict:
         say("recovery: `orchestrator run --fault` is not in this version; raise and hang skipped")
         return out
     step = 60  # in the 2nd epoch of digits (45 steps), after a checkpoint
-    for kind, fault in (("raise", f"raise=accelerator_context@step={step}"),
-                        ("hang", f"hang@step={step}")):
+    for kind, fault, job in (("raise", f"raise=accelerator_context@step={step}", "digits"),
+                             ("hang", f"hang@step={step}", "digits_hang")):
         out[f"digits/{kind}"] = []
         for rep in range(cfg.fault_reps):
-            r = arms.run_orchestrator(jobs["digits"],
+            r = arms.run_orchestrator(jobs[job],
                                       os.path.join(work, "recovery", f"{kind}-{rep}"),
                                       extra_args=("--fault", fault))
             out[f"digits/{kind}"].append(r)
@@ -141,7 +146,7 @@ def main(argv=None) -> int:
     cfg = QUICK if args.quick else FULL
     work = args.work or tempfile.mkdtemp(prefix="orchestrator-bench-")
     faults = faults_available()
-    jobs = prepare_jobs(cfg, work, hang_timeout=faults)
+    jobs = prepare_jobs(cfg, work, faults)
     say(f"{cfg.mode} run in {work}; faults injection {'available' if faults else 'absent'}")
     t0 = time.time()
     subprocess.run([sys.executable, "-c", "import tensorflow"], capture_output=True)  # warm cache

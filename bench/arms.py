@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 import yaml
 
 from orchestrator import heartbeat
-from orchestrator.checkpoints import CheckpointStore
 from orchestrator.journal import Journal
 from orchestrator.osutil import read_json
 
@@ -81,7 +80,6 @@ class OrchestratorWatch(_Watch):
         super().__init__(plan)
         self.run_dir = run_dir
         self.journal = Journal(os.path.join(run_dir, "events.jsonl"))
-        self.store = CheckpointStore(os.path.join(run_dir, "checkpoints"))
         self.last_beat: dict[int, float] = {}  # attempt -> time of its last heartbeat seen
         self._killed: set[int] = set()
 
@@ -109,7 +107,8 @@ class OrchestratorWatch(_Watch):
             return
         ready = next((e for e in events if e["event"] == "worker_ready"
                       and e.get("attempt") == n), None)
-        latest = self.store.latest_valid()
+        saved = max((e.get("step", 0) for e in events if e["event"] == "checkpoint_committed"),
+                    default=0)
         t = procs.kill(wpid, group=True)
         if t is None:
             return
@@ -117,7 +116,7 @@ class OrchestratorWatch(_Watch):
         spe = ready["steps_per_epoch"] if ready else 0
         self.kills.append({"ts": t, "attempt": n, "pid": wpid, "since_launch_s": round(
             t - self.launched, 3), "reached": breakdown.heartbeat_progress(beat, n, spe) or 0,
-            "saved": latest.step if latest else 0})
+            "saved": saved})
 
 
 class LoopWatch(_Watch):
@@ -179,14 +178,18 @@ def run_orchestrator(job: str, run_dir: str, plan: KillPlan | None = None,
     events = watch.journal.events()
     ended = [e for e in events if e["event"] == "attempt_ended"]
     deaths = {k["attempt"]: k["ts"] for k in watch.kills}
-    for e in ended:  # a raised error dies when it writes its record; a hang at its last beat
-        if e["attempt"] in deaths or e.get("exit_code") == 0:
+    for e in ended:  # a hang dies at its last heartbeat; a raised error when it writes its record
+        n = e["attempt"]
+        if n in deaths or e.get("exit_code") == 0:
             continue
-        record = read_json(os.path.join(run_dir, "attempts", f"{e['attempt']}.error.json"))
-        if record and record.get("time") and not _is_hang(e, events):
-            deaths[e["attempt"]] = record["time"]
-        elif e["attempt"] in watch.last_beat:
-            deaths[e["attempt"]] = watch.last_beat[e["attempt"]]
+        record = read_json(os.path.join(run_dir, "attempts", f"{n}.error.json"))
+        hang = breakdown.hang_death(events, n)
+        if hang is not None:
+            deaths[n] = hang
+        elif record and record.get("attempt") == n and record.get("time"):
+            deaths[n] = record["time"]
+        elif n in watch.last_beat:
+            deaths[n] = watch.last_beat[n]
     return {
         "rc": fin.rc, "timed_out": fin.timed_out, "wall_s": fin.wall_s,
         "train_s": breakdown.training_span(events) if not ended[:-1] else None,
@@ -202,12 +205,6 @@ def run_orchestrator(job: str, run_dir: str, plan: KillPlan | None = None,
         "recoveries": [dict(breakdown.orchestrator_recovery(events, n, t), attempt=n)
                        for n, t in sorted(deaths.items())],
     }
-
-
-def _is_hang(ended: dict, events: list[dict]) -> bool:
-    kind = ended.get("kind") or (ended.get("error") or {}).get("kind")
-    return kind == "hang" or any(e["event"] == "hang_detected" and e.get("attempt") ==
-                                 ended["attempt"] for e in events)
 
 
 def run_keras(job: str, work_dir: str, backup: bool, loop_plan: KillPlan | None = None,

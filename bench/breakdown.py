@@ -7,10 +7,11 @@ detection) folds into the next phase instead of inventing a number.
 """
 from __future__ import annotations
 
-POINTS = ("detected", "process_started", "python_ready", "tf_imported", "model_built",
-          "restored", "first_step")
+POINTS = ("detected", "stopped", "process_started", "python_ready", "tf_imported",
+          "model_built", "restored", "first_step")
 LABELS = {
     "detected": "death -> detected",
+    "stopped": "-> old worker stopped",
     "process_started": "-> worker process started",
     "python_ready": "-> Python + imports",
     "tf_imported": "-> TensorFlow imported",
@@ -58,12 +59,26 @@ def _worker_points(idx: dict, attempt: int) -> dict[str, float | None]:
 
 
 def orchestrator_recovery(events: list[dict], attempt: int, death: float) -> dict:
-    """The recovery from the death of ``attempt`` to the first step of the next attempt."""
+    """The recovery from the death of ``attempt`` to the first step of the next attempt.
+
+    A dead worker is detected when its attempt ends; a hung one when ``hang_detected`` is
+    journaled, and it is stopped (stack dump, SIGTERM, grace, SIGKILL) when its attempt ends.
+    """
     idx = _index(events)
     ended = idx.get(("attempt_ended", attempt))
+    hang = idx.get(("hang_detected", attempt))
     pts = _worker_points(idx, attempt + 1)
-    pts["detected"] = ended["ts"] if ended else None
+    pts["stopped"] = ended["ts"] if ended else None
+    pts["detected"] = hang["ts"] if hang else pts["stopped"]
     return phases(death, pts)
+
+
+def hang_death(events: list[dict], attempt: int) -> float | None:
+    """A hung worker's moment of death: its last heartbeat, as the hang detector saw it."""
+    hang = _index(events).get(("hang_detected", attempt))
+    if not hang or hang.get("last_heartbeat_age_s") is None:
+        return None
+    return hang["ts"] - hang["last_heartbeat_age_s"]
 
 
 def orchestrator_startup(events: list[dict], launched: float, attempt: int = 1) -> dict:

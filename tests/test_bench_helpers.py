@@ -45,9 +45,29 @@ def test_markdown_table_escapes_pipes():
 
 def test_recovery_breakdown_from_the_journal(journal):
     ph = breakdown.orchestrator_recovery(journal, attempt=1, death=1005.5)
-    assert ph == pytest.approx({"detected": 0.1, "process_started": 1.1, "python_ready": 0.2,
+    assert ph == pytest.approx({"detected": 0.1, "stopped": 0.0, "process_started": 1.1,
+                                "python_ready": 0.2,
                                 "tf_imported": 1.9, "model_built": 0.9, "restored": 0.2,
                                 "first_step": 0.6, "total": 5.0})
+
+
+def test_a_hang_dies_at_its_last_heartbeat_and_is_stopped_after_detection(journal):
+    hung = [dict(e) for e in journal if e["event"] != "attempt_ended" or e["attempt"] != 1]
+    at = next(i for i, e in enumerate(hung) if e["event"] == "restart")
+    hung[at:at] = [
+        {"ts": 1015.0, "event": "hang_detected", "attempt": 1, "last_heartbeat_age_s": 10.5},
+        {"ts": 1016.2, "event": "attempt_ended", "attempt": 1, "exit_code": -15},
+    ]
+    for e in hung[at + 2:]:  # the rest of the run happens later
+        e["ts"] += 11.0
+    death = breakdown.hang_death(hung, 1)
+    assert death == pytest.approx(1004.5)
+    ph = breakdown.orchestrator_recovery(hung, 1, death)
+    assert ph["detected"] == pytest.approx(10.5)
+    assert ph["stopped"] == pytest.approx(1.2)
+    assert ph["process_started"] == pytest.approx(1017.7 - 1016.2)
+    assert ph["total"] == pytest.approx(1021.5 - 1004.5)
+    assert breakdown.hang_death(journal, 1) is None
 
 
 def test_cold_start_and_training_span_from_the_journal(journal):
@@ -113,7 +133,7 @@ def test_summary_and_markdown_of_recorded_results():
     o = results["overhead"]["digits"]
     assert s["overhead"]["digits"]["wall_ratio_vs_backup"] == pytest.approx(
         o["orchestrator"][0]["wall_s"] / o["keras_fit_backup"][0]["wall_s"])
-    useful = results["overhead"]["synthetic"]["keras_fit"][0]["train_s"]
+    useful = results["overhead"]["synthetic"]["orchestrator"][0]["train_s"]  # its own
     wall = results["goodput"]["orchestrator"][0]["wall_s"]
     assert s["goodput"]["orchestrator"]["goodput"] == pytest.approx(useful / wall)
     assert s["recovery"]["digits/kill"]["n"] == 1
