@@ -137,6 +137,8 @@ def test_summary_and_markdown_of_recorded_results():
     wall = results["goodput"]["orchestrator"][0]["wall_s"]
     assert s["goodput"]["orchestrator"]["goodput"] == pytest.approx(useful / wall)
     assert s["recovery"]["digits/kill"]["n"] == 1
+    hang = s["recovery"]["digits/hang"]  # detected once the heartbeat was silent hang_timeout
+    assert hang["detected"] == pytest.approx(results["config"]["hang_timeout_s"], abs=1.0)
     assert s["largest_recovery_cost"]["phase"] in breakdown.POINTS
     results["summary"] = s
     md = report.markdown(results)
