@@ -168,7 +168,7 @@ def _peak(fps: dict) -> float | None:
 
 
 def run_orchestrator(job: str, run_dir: str, plan: KillPlan | None = None,
-                     extra_args: tuple = (), timeout: float = 900.0) -> dict:
+                     extra_args: tuple = (), timeout: float = 300.0) -> dict:
     """``orchestrator run JOB`` to its end; the journal read into timings and a fingerprint."""
     os.makedirs(run_dir, exist_ok=True)
     watch = OrchestratorWatch(run_dir, plan)
@@ -208,7 +208,7 @@ def run_orchestrator(job: str, run_dir: str, plan: KillPlan | None = None,
 
 
 def run_keras(job: str, work_dir: str, backup: bool, loop_plan: KillPlan | None = None,
-              loop: bool = False, timeout: float = 900.0) -> dict:
+              loop: bool = False, timeout: float = 300.0) -> dict:
     """The plain script once (``loop=False``) or in the shell restart loop, killed per plan."""
     os.makedirs(work_dir, exist_ok=True)
     events_path = os.path.join(work_dir, "events.jsonl")
