@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import yaml
 
-from orchestrator import heartbeat
+from orchestrator import heartbeat, timeline
 from orchestrator.journal import Journal
 from orchestrator.osutil import read_json
 
@@ -190,9 +190,10 @@ def run_orchestrator(job: str, run_dir: str, plan: KillPlan | None = None,
             deaths[n] = record["time"]
         elif n in watch.last_beat:
             deaths[n] = watch.last_beat[n]
+    useful = timeline.account(timeline.build(events))["useful_s"]
     return {
-        "rc": fin.rc, "timed_out": fin.timed_out, "wall_s": fin.wall_s,
-        "train_s": breakdown.training_span(events) if not ended[:-1] else None,
+        "rc": fin.rc, "timed_out": fin.timed_out, "wall_s": fin.wall_s, "useful_s": useful,
+        "train_s": useful if len(ended) == 1 else None,  # no faults: first step to last commit
         "fingerprint": breakdown.final_fingerprint(events),
         "startup": breakdown.orchestrator_startup(events, fin.launched),
         "supervisor": {"peak_rss_mb": fin.footprint.peak_rss_mb, "cpu_s": fin.footprint.cpu_s},
@@ -224,9 +225,10 @@ def run_keras(job: str, work_dir: str, backup: bool, loop_plan: KillPlan | None 
                     on_poll=watch if loop else None)
     lines = read_lines(events_path)
     peak = _peak(watch.child_fp) if loop else fin.footprint.peak_rss_mb
+    useful = breakdown.baseline_useful(lines)
     return {
-        "rc": fin.rc, "timed_out": fin.timed_out, "wall_s": fin.wall_s,
-        "train_s": breakdown.baseline_training_span(lines) if not watch.kills else None,
+        "rc": fin.rc, "timed_out": fin.timed_out, "wall_s": fin.wall_s, "useful_s": useful,
+        "train_s": useful if not watch.kills else None,
         "fingerprint": breakdown.baseline_fingerprint(lines),
         "startup": breakdown.baseline_startup(lines, fin.launched),
         "peak_rss_mb": peak,

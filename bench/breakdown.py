@@ -152,18 +152,16 @@ def steps_redone(kills: list[dict]) -> int:
     return sum(max(0, (k.get("reached") or 0) - (k.get("saved") or 0)) for k in kills)
 
 
-def training_span(events: list[dict]) -> float | None:
-    """An uninterrupted orchestrator run's training time: first step to the last commit."""
-    first = next((e["ts"] for e in events if e["event"] == "first_step"), None)
-    commits = [e["ts"] for e in events if e["event"] == "checkpoint_committed"]
-    return None if first is None or not commits else round(commits[-1] - first, 3)
-
-
-def baseline_training_span(lines: list[dict]) -> float | None:
-    """The plain script's training time: first step to the end of ``fit``."""
-    first = next((e["ts"] for e in lines if e["event"] == "first_step"), None)
-    end = next((e["ts"] for e in lines if e["event"] == "end"), None)
-    return None if first is None or end is None else round(end - first, 3)
+def baseline_useful(lines: list[dict]) -> float:
+    """The plain script's useful time, by the rule of ``orchestrator.timeline.account``: per
+    process, from its first step to its last saved epoch (training whose result was kept)."""
+    total = 0.0
+    for _, evs in _by_pid(lines):
+        first = next((e["ts"] for e in evs if e["event"] == "first_step"), None)
+        saved = [e["ts"] for e in evs if e["event"] == "epoch_end"]
+        if first is not None and saved and saved[-1] > first:
+            total += saved[-1] - first
+    return round(total, 3)
 
 
 def final_fingerprint(events: list[dict]) -> str | None:

@@ -111,31 +111,29 @@ def _largest(recovery: dict) -> dict:
 
 
 def _goodput(results: dict) -> dict:
-    """Per arm: useful time = its own uninterrupted training time (no start-up, median)."""
+    """Goodput = useful / wall per run (useful: ``orchestrator.timeline``'s rule, both arms)."""
     synth = results["overhead"].get("synthetic", {})
-    own = {"orchestrator": ("orchestrator",), "restart_loop": ("keras_fit_backup", "keras_fit")}
+    no_faults = {"orchestrator": ("orchestrator",),
+                 "restart_loop": ("keras_fit_backup", "keras_fit")}
     out: dict = {"schedule_s": results["goodput"]["schedule_s"]}
-    for arm, sources in own.items():
-        ref_runs = [r for a in sources for r in synth.get(a, [])]
-        refs = [r["fingerprint"] for r in ref_runs]
+    for arm, sources in no_faults.items():
+        refs = [r["fingerprint"] for a in sources for r in synth.get(a, [])]
         ref = refs[0] if _same(refs) else None
-        useful = median(r["train_s"] for r in synth.get(sources[0], []))
-        unint = median(r["wall_s"] for r in synth.get(sources[0], []))
         rs = results["goodput"][arm]
-        wall = median(r["wall_s"] for r in rs)
         out[arm] = {
-            "useful_s": useful,
-            "wall_s": wall,
-            "goodput": useful / wall if useful and wall else None,
-            "goodput_no_faults": useful / unint if useful and unint else None,
+            "wall_s": median(r["wall_s"] for r in rs),
+            "useful_s": median(r["useful_s"] for r in rs),
+            "goodput": median(r["useful_s"] / r["wall_s"] for r in rs),
+            "goodput_no_faults": median(r["useful_s"] / r["wall_s"]
+                                        for r in synth.get(sources[0], [])),
             "kills": median(len(r["kills"]) for r in rs),
             "steps_redone": median(breakdown.steps_redone(r["kills"]) for r in rs),
             "completed": all(r["rc"] == 0 for r in rs),
             "fingerprint_equal": [None if ref is None or not r["fingerprint"] else
                                   r["fingerprint"] == ref for r in rs],
         }
-    o, b = out["orchestrator"], out["restart_loop"]
-    out["wall_ratio"] = o["wall_s"] / b["wall_s"] if o["wall_s"] and b["wall_s"] else None
+    out["wall_ratio"] = median(paired_ratios([r["wall_s"] for r in results["goodput"][
+        "orchestrator"]], [r["wall_s"] for r in results["goodput"]["restart_loop"]]))
     return out
 
 
@@ -169,8 +167,8 @@ def markdown(results: dict) -> str:
                          "Keras fit, no checkpoint (s)", "wall: orch / fit+B&R",
                          "wall: orch / fit", "training: orch / fit+B&R",
                          "training: orch / fit"], rows))
-    out += ["", "Wall = launch to exit of the command. Training = first step to the end of the "
-            "last epoch (the orchestrator: to its last checkpoint's commit), i.e. without "
+    out += ["", "Wall = launch to exit of the command. Training = first step to the last "
+            "epoch's end (the orchestrator: its last checkpoint's commit), i.e. without "
             "start-up. Same data, epochs, batch and seed; the plain script shuffles with "
             "`fit(shuffle=True)`, the orchestrator with its (seed, epoch) order.", ""]
     rep = [[job, *(_yes(o["reproducible"][a]) for a in ("orchestrator", "keras_fit_backup",
@@ -207,22 +205,22 @@ def markdown(results: dict) -> str:
     out += ["### 3. Goodput under a seeded SIGKILL schedule (synthetic job)", "",
             f"Kills at {', '.join(str(t) for t in g['schedule_s'])} s after launch (seed "
             f"{cfg['seed']}), of the training process (the worker; the loop's Python child). "
-            f"Useful time = the arm's own training time with no faults and no start-up (the "
-            f"orchestrator: {fmt_s(g['orchestrator']['useful_s'])} s; fit + BackupAndRestore: "
-            f"{fmt_s(g['restart_loop']['useful_s'])} s); goodput = useful time / wall time. "
-            f"The reference weights are those of the same arm's uninterrupted runs.", ""]
+            f"Useful time = training whose result was kept: per process, first step to its "
+            f"last checkpoint (the rule of `orchestrator status`, `orchestrator.timeline`; for "
+            f"the loop, to its last BackupAndRestore save). Goodput = useful / wall, wall = "
+            f"launch to exit. Reference weights: the same arm's uninterrupted runs.", ""]
     rows = []
     for arm, label in (("orchestrator", "orchestrator run"),
                        ("restart_loop", "Keras fit + BackupAndRestore in a shell loop")):
         a = g[arm]
-        rows.append([label, fmt_s(a["wall_s"], 1), fmt_s(a["kills"], 0),
+        rows.append([label, fmt_s(a["wall_s"], 1), fmt_s(a["useful_s"], 1), fmt_s(a["kills"], 0),
                      fmt_s(a["steps_redone"], 0), fmt_pct(a["goodput"]),
                      fmt_pct(a["goodput_no_faults"]), _yes(a["completed"]),
                      ", ".join(_yes(v) for v in a["fingerprint_equal"]) or "-"])
-    out.append(md_table(["", "wall (s)", "kills", "steps redone", "goodput",
+    out.append(md_table(["", "wall (s)", "useful (s)", "kills", "steps redone", "goodput",
                          "goodput, no faults", "completed",
                          "final weights = uninterrupted run's"], rows))
-    out += ["", f"Wall time under faults, orchestrator / shell loop: "
+    out += ["", f"Wall time under faults, orchestrator / shell loop (paired): "
             f"{fmt_ratio(g['wall_ratio'])}. Steps redone = steps trained after the last saved "
             f"state by killed processes (progress sampled at most 1 s before the kill: a lower "
             f"bound).", ""]
