@@ -10,6 +10,7 @@ from conftest import ROOT
 
 sys.path.insert(0, ROOT)
 from bench import arms, breakdown, report, stats  # noqa: E402
+from orchestrator import timeline  # noqa: E402
 
 FIXTURES = os.path.join(ROOT, "tests", "fixtures", "bench")
 
@@ -70,12 +71,13 @@ def test_a_hang_dies_at_its_last_heartbeat_and_is_stopped_after_detection(journa
     assert breakdown.hang_death(journal, 1) is None
 
 
-def test_cold_start_and_training_span_from_the_journal(journal):
+def test_cold_start_and_useful_time_from_the_journal(journal):
     ph = breakdown.orchestrator_startup(journal, launched=999.9)
     assert ph["detected"] is None
     assert ph["process_started"] == pytest.approx(0.2)
     assert ph["total"] == pytest.approx(4.1)
-    assert breakdown.training_span(journal) == pytest.approx(8.0)
+    # useful time: the project's rule (orchestrator.timeline), first step to last checkpoint
+    assert timeline.account(timeline.build(journal))["useful_s"] == pytest.approx(1.0 + 1.5)
     assert breakdown.final_fingerprint(journal) == "bb"
 
 
@@ -98,6 +100,8 @@ def test_shell_loop_recovery_and_progress_from_the_baseline_lines(baseline_lines
     assert breakdown.baseline_progress(at_kill, 21, 10) == (17, 10)
     assert breakdown.baseline_startup(baseline_lines, launched=2000.0)["total"] == pytest.approx(4.0)
     assert breakdown.baseline_fingerprint(baseline_lines) == "cc"
+    # the same rule for the plain script: first step to the last saved epoch, per process
+    assert breakdown.baseline_useful(baseline_lines) == pytest.approx(1.0 + 2.0)
 
 
 def test_steps_redone_and_heartbeat_progress():
@@ -133,9 +137,9 @@ def test_summary_and_markdown_of_recorded_results():
     o = results["overhead"]["digits"]
     assert s["overhead"]["digits"]["wall_ratio_vs_backup"] == pytest.approx(
         o["orchestrator"][0]["wall_s"] / o["keras_fit_backup"][0]["wall_s"])
-    useful = results["overhead"]["synthetic"]["orchestrator"][0]["train_s"]  # its own
-    wall = results["goodput"]["orchestrator"][0]["wall_s"]
-    assert s["goodput"]["orchestrator"]["goodput"] == pytest.approx(useful / wall)
+    run = results["goodput"]["orchestrator"][0]  # one repetition: its own useful / wall
+    assert s["goodput"]["orchestrator"]["goodput"] == pytest.approx(
+        run["useful_s"] / run["wall_s"])
     assert s["recovery"]["digits/kill"]["n"] == 1
     hang = s["recovery"]["digits/hang"]  # detected once the heartbeat was silent hang_timeout
     assert hang["detected"] == pytest.approx(results["config"]["hang_timeout_s"], abs=1.0)
