@@ -37,7 +37,7 @@ class Config:
 
 
 FULL = Config("full", reps=3, digits_epochs=10, synth_examples=1152, synth_epochs=7,
-              recovery_kills=3, fault_reps=2, goodput_reps=2, kill_every_s=15.0, kills=2,
+              recovery_kills=3, fault_reps=3, goodput_reps=2, kill_every_s=15.0, kills=2,
               hang_timeout_s=10.0)
 QUICK = Config("quick", reps=1, digits_epochs=4, synth_examples=384, synth_epochs=3,
                recovery_kills=1, fault_reps=1, goodput_reps=1, kill_every_s=12.0, kills=1,
