@@ -66,6 +66,7 @@ def prepare_jobs(cfg: Config, work: str, faults: bool) -> dict[str, str]:
             os.path.join(arms.ROOT, "jobs", "cifar10_resnet", "job.yaml"),
             os.path.join(work, "jobs", "synthetic"),
             {"name": "synthetic_resnet20", "restarts": RESTARTS, "epochs": cfg.synth_epochs,
+             "deterministic": True,  # what the bit-identity promise needs (both arms get it)
              "data": {"args": {"synthetic": True, "synthetic_examples": cfg.synth_examples}}}),
     }
     if faults:  # only this job: a slow first step (tracing) must not pass for a hang elsewhere
@@ -152,7 +153,7 @@ def main(argv=None) -> int:
     subprocess.run([sys.executable, "-c", "import tensorflow"], capture_output=True)  # warm cache
     results = {"config": asdict(cfg), "machine": report.machine(), "work_dir": work,
                "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t0)),
-               "faults_injection": faults}
+               "faults_injection": faults, "jobs": {k: report.read_job(p) for k, p in jobs.items()}}
     stem = "quick" if args.quick else "results"
     json_path = os.path.join(args.out, f"{stem}.json")
 

@@ -1,10 +1,12 @@
 """The baseline: the same job as a plain Keras script, what a user writes without this tool.
 
 It reads the job's YAML only to train exactly the same thing (factories, compile settings,
-epochs, batch size, seed), then calls ``model.fit`` on the arrays with ``shuffle=True``. With
-``--backup-dir`` it adds Keras ``BackupAndRestore`` at the job's checkpoint frequency, and run
-again by a shell loop (``bench/restart_loop.sh``) it is what users do today to survive a
-preemption.
+epochs, batch size, seed, op determinism, the learning-rate schedule as a Keras
+``LearningRateScheduler``), then calls ``model.fit`` on the arrays with ``shuffle=True``. With
+``--backup-dir`` it adds Keras ``BackupAndRestore`` at the job's checkpoint frequency (each
+epoch, or every ``every_steps`` batches), and run again by a shell loop
+(``bench/restart_loop.sh``) it is what users do today to survive a preemption. A job setting it
+cannot mirror (job callbacks, time-based checkpoints) is refused rather than silently dropped.
 
 Bench instrumentation, kept apart: ``--events FILE`` appends one JSON line at start, after the
 TensorFlow import, after the model is built, when training begins (after the backup's restore),
@@ -39,6 +41,22 @@ def factory(spec, job_dir):
     return getattr(importlib.import_module(module), func), args
 
 
+def learning_rate_schedule(job_path, base_lr):
+    """The job's schedule as the ``(epoch, lr) -> lr`` a LearningRateScheduler takes: the
+    orchestrator's own formulas (``orchestrator.schedules``), so both arms use the same rates."""
+    from orchestrator import schedules
+    from orchestrator.spec import load
+
+    spec = load(job_path)
+    if spec.learning_rate is None:
+        return None
+    if spec.learning_rate.function is not None:
+        fn, args = factory({"factory": spec.learning_rate.function.target,
+                            "args": spec.learning_rate.function.args}, spec.job_dir)
+        return lambda epoch, lr: float(fn(epoch, lr, **args))
+    return schedules.build(spec.learning_rate, base_lr, spec.epochs)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("job", help="the job's YAML file")
@@ -52,6 +70,10 @@ def main():
 
     with open(args.job, encoding="utf-8") as f:
         job = yaml.safe_load(f)
+    ckpt = job.get("checkpoint") or {}
+    if job.get("callbacks") or ckpt.get("every_seconds"):
+        sys.exit(f"{args.job}: 'callbacks' and 'checkpoint.every_seconds' have no plain-Keras "
+                 f"twin here; the baseline would train something else")
     import keras
     import tensorflow as tf
 
@@ -73,9 +95,12 @@ def main():
     steps_per_epoch = -(-len(x) // batch)
     callbacks = []
     if args.backup_dir:
-        every = job.get("checkpoint", {}).get("every_epochs", 1)
-        callbacks.append(keras.callbacks.BackupAndRestore(
-            args.backup_dir, save_freq="epoch" if every == 1 else every * steps_per_epoch))
+        every = ckpt.get("every_epochs", 1)
+        freq = ckpt.get("every_steps") or ("epoch" if every == 1 else every * steps_per_epoch)
+        callbacks.append(keras.callbacks.BackupAndRestore(args.backup_dir, save_freq=freq))
+    schedule = learning_rate_schedule(args.job, float(model.optimizer.learning_rate.numpy()))
+    if schedule is not None:
+        callbacks.append(keras.callbacks.LearningRateScheduler(schedule))
     if args.events:
         callbacks.append(make_instrument(emit, steps_per_epoch))
     model.fit(x, y, batch_size=batch, epochs=epochs, validation_data=data.get("validation"),

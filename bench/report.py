@@ -45,6 +45,28 @@ def machine() -> dict:
     }
 
 
+def read_job(path: str) -> dict:
+    import yaml
+
+    with open(path, encoding="utf-8") as f:
+        return yaml.safe_load(f)
+
+
+def describe_job(job: dict) -> str:
+    """Epochs, batch, determinism, schedule and checkpoint frequency of a bench job."""
+    c = job.get("checkpoint") or {}
+    every = f"every {c.get('every_epochs', 1)} epoch(s)" + (
+        f" and every {c['every_steps']} steps" if c.get("every_steps") else "")
+    lr = job.get("learning_rate")
+    if isinstance(lr, dict):
+        lr = f"{lr.get('schedule', lr.get('factory'))}(" + ", ".join(
+            f"{k}={v}" for k, v in lr.items() if k not in ("schedule", "factory")) + ")"
+    return (f"{job['epochs']} epochs, batch {job['batch_size']}"
+            f"{', deterministic' if job.get('deterministic') else ''}"
+            f"{f', learning rate {lr}' if lr else ''}; checkpoints {every} "
+            f"(BackupAndRestore: save_freq={c.get('every_steps') or 'epoch'})")
+
+
 def _same(values: list) -> bool | None:
     vs = [v for v in values if v]
     return None if not vs else len(set(vs)) == 1
@@ -149,12 +171,13 @@ def markdown(results: dict) -> str:
            f"{m['keras']}, {m['numpy']}. Load average before/after: {m['load']} / "
            f"{m.get('load_after')}.",
            "",
-           f"Jobs: **digits** (`jobs/digits`: small CNN with Dropout, {cfg['digits_epochs']} "
-           f"epochs) and **synthetic** (`jobs/cifar10_resnet` ResNet-20 with `synthetic: true`, "
-           f"{cfg['synth_examples']} images, {cfg['synth_epochs']} epochs, batch 128). Both "
-           f"checkpoint every epoch; restarts wait 1 s (orchestrator backoff and the shell "
-           f"loop's `sleep 1`). Times are medians (min-max, n) of runs interleaved A B C A B C; "
-           f"ratios are medians of the ratios of runs made side by side.",
+           f"Jobs: **digits** (`jobs/digits` as committed: small CNN with BatchNormalization "
+           f"and Dropout; {describe_job(results['jobs']['digits'])}) and **synthetic** "
+           f"(`jobs/cifar10_resnet` ResNet-20 with `synthetic: true`, {cfg['synth_examples']} "
+           f"images; {describe_job(results['jobs']['synthetic'])}). Restarts wait 1 s "
+           f"(orchestrator backoff and the shell loop's `sleep 1`). Times are medians (min-max, "
+           f"n) of runs interleaved A B C A B C; ratios are medians of the ratios of runs made "
+           f"side by side.",
            "", "### 1. Overhead with no faults", ""]
     rows = []
     for job, o in s["overhead"].items():
