@@ -40,8 +40,12 @@ def split_cpu(devices: str | int | None) -> None:
         cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(int(devices))])
 
 
-def resolve_strategy(kind: str):
-    """Return ``(strategy, description)`` for ``kind`` in auto|tpu|gpu|cpu."""
+def resolve_strategy(kind: str, reinitialise: bool = False):
+    """Return ``(strategy, description)`` for ``kind`` in auto|tpu|gpu|cpu.
+
+    ``reinitialise``: shut the TPU system down before initialising it (the recovery ladder's
+    "reinitialise the accelerator" for a TPU context left broken by an earlier process).
+    """
     import tensorflow as tf
 
     if kind in ("auto", "tpu"):
@@ -50,6 +54,8 @@ def resolve_strategy(kind: str):
             resolver = tf.distribute.cluster_resolver.TPUClusterResolver(tpu=addr)
             if addr != "local":
                 tf.config.experimental_connect_to_cluster(resolver)
+            if reinitialise:
+                shutdown_tpu_system(tf, resolver)
             tf.tpu.experimental.initialize_tpu_system(resolver)
             strategy = tf.distribute.TPUStrategy(resolver)
             return strategy, f"TPU ({addr}, {strategy.num_replicas_in_sync} cores)"
@@ -73,3 +79,13 @@ def resolve_strategy(kind: str):
     if len(cpus) > 1:
         return tf.distribute.MirroredStrategy([d.name for d in cpus]), f"CPU x{len(cpus)}"
     return tf.distribute.get_strategy(), "CPU"
+
+
+def shutdown_tpu_system(tf, resolver) -> None:
+    """Best effort: a TPU system that was never initialised cannot be shut down, which is fine."""
+    try:
+        tf.tpu.experimental.shutdown_tpu_system(resolver)
+        print("[worker] TPU system shut down before initialising it again", flush=True)
+    except (tf.errors.OpError, RuntimeError, ValueError) as exc:
+        print(f"[worker] TPU system shutdown before re-initialisation failed ({exc}); "
+              f"initialising anyway", flush=True)

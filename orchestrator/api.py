@@ -14,13 +14,15 @@ from .spec import load
 from .supervisor import Supervisor
 
 
-def run(job: str, run_dir: str | None = None, raise_on_interrupt: bool = True) -> int:
+def run(job: str, run_dir: str | None = None, raise_on_interrupt: bool = True,
+        faults=()) -> int:
     """Start or resume the run of ``job``; return 0 when it completed, non-zero otherwise.
 
     With ``raise_on_interrupt`` (the notebook's default), a SIGINT (cell interrupt, Ctrl-C)
     raises KeyboardInterrupt once the worker is stopped; otherwise it returns 130.
+    ``faults``: fault specs to inject (see orchestrator.faults), each fired once per run.
     """
-    sup = Supervisor(load(job, run_dir=run_dir))
+    sup = Supervisor(load(job, run_dir=run_dir), faults=faults)
     rc = sup.run()
     if rc == EXIT_STOPPED and raise_on_interrupt and sup.stop_signal == signal.SIGINT:
         raise KeyboardInterrupt("orchestrator: the worker was stopped; run the cell again "

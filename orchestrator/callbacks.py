@@ -231,6 +231,9 @@ class HeartbeatCallback(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         self.writer.beat(phase="training", **self.progress.as_dict())
 
+    def on_test_batch_end(self, batch, logs=None):  # a long validation is not a hang
+        self.writer.beat(phase="validation", **self.progress.as_dict())
+
     def on_epoch_end(self, epoch, logs=None):
         self.writer.beat(force=True, phase="epoch_end", **self.progress.as_dict())
 
@@ -295,3 +298,15 @@ class CheckpointCallback(keras.callbacks.Callback):
         self.store.commit(p.step, lambda d: state.save(self.model, d, extra), manifest,
                           keep=self.ckpt.keep)
         self._last_commit = time.monotonic()
+
+
+class FaultCallback(keras.callbacks.Callback):
+    """Fires injected faults at their global step (faults.py); added only when there are any,
+    after the ProgressCallback."""
+
+    def __init__(self, injector, progress: Progress):
+        super().__init__()
+        self.injector, self.progress = injector, progress
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.injector.at_step(self.progress.step)

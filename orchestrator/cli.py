@@ -14,8 +14,32 @@ EXIT_LOCKED = 3
 
 def _cmd_run(args) -> int:
     from .api import run
+    from .faults import FaultSpecError, parse
 
-    return run(args.job, run_dir=args.run_dir, raise_on_interrupt=False)
+    try:
+        faults = [parse(f).text for f in args.fault]
+    except FaultSpecError as exc:
+        print(f"orchestrator: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    return run(args.job, run_dir=args.run_dir, raise_on_interrupt=False, faults=faults)
+
+
+def _cmd_diagnose(args) -> int:
+    from .diagnose import diagnose
+    from .spec import load
+
+    try:
+        if args.file == "-":
+            text = sys.stdin.read()
+        else:
+            with open(args.file, encoding="utf-8", errors="replace") as f:
+                text = f.read()
+    except OSError as exc:
+        print(f"orchestrator: {args.file}: cannot read: {exc.strerror}", file=sys.stderr)
+        return EXIT_USAGE
+    spec = load(args.job) if args.job else None
+    print(json.dumps(diagnose(text, spec), indent=2))
+    return 0
 
 
 def _cmd_status(args) -> int:
@@ -63,7 +87,16 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="start, or resume, the run of a job")
     r.add_argument("job", help="the job's YAML file")
     r.add_argument("--run-dir", help="override the job's run_dir")
+    r.add_argument("--fault", action="append", default=[], metavar="SPEC",
+                   help="inject a fault (repeatable), fired once per run: kill@step=N, "
+                        "hang@step=N, raise=KIND@step=N, exit=CODE@step=N, "
+                        "corrupt-checkpoint@epoch=N, storage-down@step=N,for=SECONDS, "
+                        "kill@checkpoint=N")
     r.set_defaults(func=_cmd_run)
+    d = sub.add_parser("diagnose", help="classify a log or traceback (FILE, or - for stdin)")
+    d.add_argument("file")
+    d.add_argument("--job", help="use this job's recovery policy (default: the defaults)")
+    d.set_defaults(func=_cmd_diagnose)
     s = sub.add_parser("status", help="where a run stands")
     s.add_argument("run_dir")
     s.add_argument("--json", action="store_true", help="machine-readable output")

@@ -1,16 +1,27 @@
 """Heartbeat: the worker says it is alive and where it is; the supervisor reads it.
 
 The worker replaces ``heartbeat.json`` in the run directory at most once per interval (atomic
-rename, not fsynced: it is liveness, not history). Its modification time is the beat.
+rename, not fsynced: it is liveness, not history). Its modification time is the beat. The
+supervisor hears each beat as a file event (hangs.py); a worker that stops beating is asked for a
+stack dump of every thread (``STACK_DUMP_SIGNAL``, faulthandler) into its attempt log.
 """
 from __future__ import annotations
 
+import faulthandler
 import os
+import signal
+import sys
 import time
 
 from .osutil import read_json, write_json_atomic
 
 FILE = "heartbeat.json"
+STACK_DUMP_SIGNAL = signal.SIGUSR1
+
+
+def register_stack_dump(stream=None) -> None:
+    """Worker side: dump every thread's stack to ``stream`` (the attempt log) on the signal."""
+    faulthandler.register(STACK_DUMP_SIGNAL, file=stream or sys.stderr, all_threads=True)
 
 
 class Progress:

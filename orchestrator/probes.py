@@ -121,7 +121,8 @@ def for_strategy(strategy: str, env=None, own_pgid: Callable[[], int | None] = l
     """The probe for what a worker of ``strategy`` (auto|tpu|gpu|cpu) will run on here."""
     env = dict(os.environ if env is None else env)
     node = tpu_node_address(env)
-    has_tpu_vm = any(glob.glob(g) for g in TPU_DEVICE_GLOBS)
+    tpu_named = bool(env.get("TPU_NAME") or env.get("COLAB_TPU_ADDR"))  # e.g. TPU_NAME=local
+    has_tpu_vm = tpu_named or any(glob.glob(g) for g in TPU_DEVICE_GLOBS)
     if strategy in ("auto", "tpu") and node:
         return lambda: probe_tpu_node(*node)
     if strategy == "tpu" or (strategy == "auto" and has_tpu_vm):

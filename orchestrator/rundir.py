@@ -14,6 +14,11 @@ EXIT_STOPPED = 130
 # trains under a multi-replica MirroredStrategy on a CPU, as it would on 8 TPU cores): for tests.
 CPU_DEVICES_ENV = "ORCHESTRATOR_CPU_DEVICES"
 
+# What the supervisor tells the next worker attempt (recovery actions), by environment.
+ENV_STRATEGY = "ORCHESTRATOR_STRATEGY"          # strategy fallback: tpu|gpu|cpu
+ENV_BATCH_SIZE = "ORCHESTRATOR_BATCH_SIZE"      # per-replica batch after halving on OOM
+ENV_REINIT = "ORCHESTRATOR_REINIT_ACCELERATOR"  # "1": shut down + initialise the TPU system
+
 
 @dataclass(frozen=True)
 class RunDir:

@@ -84,6 +84,49 @@ class RestartSpec:
     backoff_multiplier: float = 2.0
 
 
+ACTIONS = ("restart", "reinit_accelerator", "reinstall_tensorflow", "wait_accelerator",
+           "fallback_strategy", "halve_batch", "give_up")
+KIND_NAMES = ("accelerator_context", "accelerator_unavailable", "accelerator_busy",
+              "out_of_memory", "storage", "hang", "killed", "user_error", "unknown")
+
+
+@dataclass(frozen=True)
+class Rung:
+    """One step of a recovery ladder: ``action``, ``times`` in a row (None: while the restart
+    budget lasts)."""
+
+    action: str
+    times: int | None = 1
+
+
+@dataclass(frozen=True)
+class CrashLoopSpec:
+    same_failure: int = 3       # the same kind at the same step this many times in a row
+    failures: int = 4           # ... or this many failures
+    window_minutes: float = 10  # ... within this window, without a new checkpoint
+
+
+@dataclass(frozen=True)
+class RecoverySpec:
+    ladders: tuple = ()                 # ((kind, (Rung, ...)), ...) replacing the defaults
+    reinstall_tensorflow: bool = False  # opt-in: pip-reinstall the installed TF distribution
+    reinstall_max: int = 1              # per run
+    pip: tuple = ()                     # command prefix; () = (sys.executable, -m, pip)
+    pip_args: tuple = ()                # extra arguments to `pip install` (index, target)
+    tensorflow_distributions: tuple = ("tensorflow-tpu", "tensorflow", "tensorflow-cpu")
+    verify_import: str = "tensorflow"   # the module a fresh process imports to verify
+    halve_batch: bool = False           # on out_of_memory, halve the per-replica batch
+    min_batch_size: int = 1
+    strategy_fallback: bool = False     # TPU -> GPU -> CPU
+    wait_initial: float = 5.0           # wait_accelerator: probe backoff
+    wait_max: float = 60.0
+    wait_timeout: float = 600.0
+    crash_loop: CrashLoopSpec = CrashLoopSpec()
+
+    def ladder(self, kind: str):
+        return dict(self.ladders).get(kind)
+
+
 @dataclass(frozen=True)
 class JobSpec:
     name: str
@@ -103,6 +146,11 @@ class JobSpec:
     deterministic: bool = False
     learning_rate: LearningRateSpec | None = None
     callbacks: tuple = ()
+    hang_timeout: float = 300.0      # no heartbeat for this long while training: a hang
+    startup_timeout: float = 1800.0  # ... before the first training heartbeat of an attempt
+    stop_grace: float = 10.0         # SIGTERM -> SIGKILL of a worker's process group
+    probe_interval: float = 60.0     # accelerator probe period while an attempt runs
+    recovery: RecoverySpec = RecoverySpec()
 
     def training_hash(self) -> str:
         """A hash of what decides the trained model (not epochs, restarts or paths)."""
@@ -197,6 +245,14 @@ class _Reader:
             self.fail(full, f"expected a number{bound}, got {v!r}")
         return float(v)
 
+    def strings(self, data, key, full, default=()):
+        if key not in data:
+            return default
+        v = data[key]
+        if not isinstance(v, list) or not all(isinstance(x, str) and x for x in v):
+            self.fail(full, f"expected a list of strings, got {v!r}")
+        return tuple(v)
+
     def string(self, data, key, full, default=None, choices=None):
         if key not in data:
             return default
@@ -235,7 +291,66 @@ class _Reader:
 TOP_KEYS = {
     "name", "model", "data", "compile", "epochs", "batch_size", "strategy", "run_dir", "seed",
     "checkpoint", "restarts", "heartbeat_interval", "deterministic", "learning_rate", "callbacks",
+    "hang_timeout", "startup_timeout", "stop_grace", "probe_interval", "recovery",
 }
+RECOVERY_KEYS = {
+    "ladders", "reinstall_tensorflow", "reinstall_max", "pip", "pip_args",
+    "tensorflow_distributions", "verify_import", "halve_batch", "min_batch_size",
+    "strategy_fallback", "wait", "crash_loop",
+}
+
+
+def _ladder(r: _Reader, value, key: str) -> tuple:
+    """``[restart, {reinit_accelerator: 2}, {restart: budget}]`` -> Rungs."""
+    if not isinstance(value, list):
+        r.fail(key, f"expected a list of actions (e.g. [restart, {{halve_batch: 2}}]), "
+               f"got {value!r}")
+    rungs = []
+    for item in value:
+        action, times = (item, 1) if isinstance(item, str) else (
+            next(iter(item.items())) if isinstance(item, dict) and len(item) == 1 else (None, 0))
+        if action not in ACTIONS:
+            r.fail(key, f"expected actions from {', '.join(ACTIONS)}, got {item!r}")
+        if times == "budget":
+            times = None
+        elif isinstance(times, bool) or not isinstance(times, int) or times < 1:
+            r.fail(key, f"{action}: expected a count >= 1 or 'budget', got {times!r}")
+        rungs.append(Rung(action, times))
+    return tuple(rungs)
+
+
+def _recovery(r: _Reader, data) -> RecoverySpec:
+    c = r.mapping(data, "recovery", RECOVERY_KEYS)
+    ladders = ()
+    if "ladders" in c:
+        lad = r.mapping(c["ladders"], "recovery.ladders", set(KIND_NAMES))
+        ladders = tuple((k, _ladder(r, v, f"recovery.ladders.{k}")) for k, v in lad.items())
+    w = r.mapping(c.get("wait", {}), "recovery.wait", {"initial", "max", "timeout"})
+    cl = r.mapping(c.get("crash_loop", {}), "recovery.crash_loop",
+                   {"same_failure", "failures", "window_minutes"})
+    d = RecoverySpec()
+    return RecoverySpec(
+        ladders=ladders,
+        reinstall_tensorflow=r.boolean(c, "reinstall_tensorflow", "recovery.reinstall_tensorflow"),
+        reinstall_max=r.integer(c, "reinstall_max", "recovery.reinstall_max", 1, 0),
+        pip=r.strings(c, "pip", "recovery.pip"),
+        pip_args=r.strings(c, "pip_args", "recovery.pip_args"),
+        tensorflow_distributions=r.strings(c, "tensorflow_distributions",
+                                           "recovery.tensorflow_distributions",
+                                           d.tensorflow_distributions),
+        verify_import=r.string(c, "verify_import", "recovery.verify_import", d.verify_import),
+        halve_batch=r.boolean(c, "halve_batch", "recovery.halve_batch"),
+        min_batch_size=r.integer(c, "min_batch_size", "recovery.min_batch_size", 1, 1),
+        strategy_fallback=r.boolean(c, "strategy_fallback", "recovery.strategy_fallback"),
+        wait_initial=r.number(w, "initial", "recovery.wait.initial", d.wait_initial, 0),
+        wait_max=r.number(w, "max", "recovery.wait.max", d.wait_max, 0),
+        wait_timeout=r.number(w, "timeout", "recovery.wait.timeout", d.wait_timeout, 0),
+        crash_loop=CrashLoopSpec(
+            same_failure=r.integer(cl, "same_failure", "recovery.crash_loop.same_failure", 3, 2),
+            failures=r.integer(cl, "failures", "recovery.crash_loop.failures", 4, 2),
+            window_minutes=r.number(cl, "window_minutes", "recovery.crash_loop.window_minutes",
+                                    10.0, 0)),
+    )
 
 _SCHEDULE_KEYS = {
     "step_decay": {"initial", "factor", "every"},
@@ -391,4 +506,9 @@ def load(path: str, run_dir: str | None = None) -> JobSpec:
         learning_rate=(_learning_rate(r, data["learning_rate"]) if "learning_rate" in data
                        else None),
         callbacks=_callbacks(r, data["callbacks"]) if "callbacks" in data else (),
+        hang_timeout=r.number(data, "hang_timeout", "hang_timeout", 300.0, 0.1),
+        startup_timeout=r.number(data, "startup_timeout", "startup_timeout", 1800.0, 0.1),
+        stop_grace=r.number(data, "stop_grace", "stop_grace", 10.0, 0),
+        probe_interval=r.number(data, "probe_interval", "probe_interval", 60.0, 0.1),
+        recovery=_recovery(r, data["recovery"]) if "recovery" in data else RecoverySpec(),
     )

@@ -1,14 +1,17 @@
-"""The supervisor: start a worker, watch it, journal what happens, restart it within budget.
+"""The supervisor: start a worker, watch it, journal what happens, recover as the policy says.
 
 It never imports TensorFlow (a broken TensorFlow must be fixable from here, and a TPU must never
-be held by this process). One loop, one attempt at a time: spawn the worker in its own process
-group, then wait on one queue fed by the worker's exit (a waiting thread: noticed at once), the
-checkpoint directory (watchdog file events) and a tick (lock refresh). The journal's epoch and
-checkpoint events are derived from committed checkpoints, so each completed epoch is journaled
-exactly once whichever process dies when.
+be held by this process). One loop, one attempt at a time: probe the accelerator, spawn the
+worker in its own process group, then wait on one queue fed by the worker's exit (a waiting
+thread: noticed at once), the checkpoint directory and the heartbeat file (watchdog events) and
+a tick (lock refresh, accelerator probe); a silent worker is a hang. A failed attempt is
+classified (failures.py) and the recovery policy (recovery.py) picks the next action, which is
+carried out before the next attempt. The journal's epoch and checkpoint events are derived from
+committed checkpoints, so each completed epoch is journaled exactly once whichever process dies.
 """
 from __future__ import annotations
 
+import json
 import os
 import queue
 import shutil
@@ -24,17 +27,22 @@ from tenacity import (RetryCallState, Retrying, retry_if_exception, stop_after_a
 from watchdog.events import FileSystemEventHandler
 from watchdog.observers import Observer
 
+from . import faults as faults_mod
+from . import heartbeat
 from .checkpoints import CheckpointStore
+from .failures import Diagnosis, classify, read_tail
+from .hangs import HangClock, HeartbeatEvents, dump_stacks
 from .journal import Journal
 from .lock import RunLock
 from .osutil import pid_alive, read_json, write_json_atomic
 from .progress import Progress
-from .rundir import EXIT_CONFIG, EXIT_STOPPED, RunDir
+from .recovery import GIVE_UP, Decision, Failure, RecoveryPolicy
+from .remedies import Remedies
+from .rundir import EXIT_STOPPED, RunDir
 from .spec import JobSpec
 from .timeline import kind_of
 
 LOCK_REFRESH_S = 5.0
-STOP_GRACE_S = 10.0
 
 
 @dataclass
@@ -43,14 +51,19 @@ class AttemptFailed(Exception):
     exit_code: int
     error: dict | None
     duration: float
+    diagnosis: Diagnosis | None = None
+    decision: Decision | None = None
 
     @property
     def kind(self) -> str:
-        return kind_of({"exit_code": self.exit_code}) or "unknown"
+        if self.decision:
+            return self.decision.kind  # after escalation
+        return self.diagnosis.kind if self.diagnosis else (
+            kind_of({"exit_code": self.exit_code}) or "unknown")
 
     @property
-    def fatal(self) -> bool:
-        return self.exit_code == EXIT_CONFIG
+    def recoverable(self) -> bool:
+        return self.decision is not None and self.decision.action != GIVE_UP
 
     def describe(self) -> str:
         if self.exit_code < 0:
@@ -91,8 +104,10 @@ def worker_command(spec: JobSpec, attempt: int) -> list[str]:
 
 
 class Supervisor:
-    def __init__(self, spec: JobSpec, worker_cmd=worker_command, out=None, env=None):
+    def __init__(self, spec: JobSpec, worker_cmd=worker_command, out=None, env=None,
+                 faults=()):
         self.spec = spec
+        self.faults = [faults_mod.parse(f).text for f in faults]
         self.rd = RunDir(spec.run_dir)
         self.worker_cmd = worker_cmd
         self.out = out or sys.stdout
@@ -108,22 +123,34 @@ class Supervisor:
         self._journaled_ckpts: set[int] = set()
         self.restarts = 0
         self.progress = Progress(self.out, self.rd.root, spec.epochs, spec.restarts.max)
+        self.hang = HangClock(self.rd.root, spec.hang_timeout, spec.startup_timeout)
+        self.remedies = Remedies(spec, self._base_env,
+                                 own_pgid=lambda: self.proc.pid if self.proc else None,
+                                 sleep=self._sleep, say=self.say)
+        self.policy = RecoveryPolicy(spec.recovery, spec.restarts.max,
+                                     applicable=self.remedies.applicable)
+        self._accel_ok: bool | None = None
 
     # ------------------------------------------------------------------ public
     def run(self) -> int:
         """Run (or resume) the job to completion. Returns the process exit code."""
         self.rd.make()
         stale = self.lock.acquire()  # LockedError propagates to the caller
-        observer = None
         old_handlers = self._install_signal_handlers()
         try:
             self.progress.start()
             self._open_run(stale)
             observer = Observer()
             observer.schedule(_CheckpointEvents(self.q), self.rd.checkpoints, recursive=False)
+            observer.schedule(HeartbeatEvents(self.q), self.rd.root, recursive=False)
             observer.start()
-            if not self._completed():
-                self._attempt_loop()
+            try:
+                if not self._completed():
+                    self._attempt_loop()
+            finally:  # stop watching before the last journal writes (a quiet stop)
+                self._stop_worker()
+                observer.stop()
+                observer.join(timeout=5)
             return self._finish()
         except AttemptFailed as failure:
             return self._give_up(failure)
@@ -137,9 +164,6 @@ class Supervisor:
         finally:
             self._stop_worker()
             self.progress.stop()
-            if observer is not None:
-                observer.stop()
-                observer.join(timeout=5)
             self._restore_signal_handlers(old_handlers)
             self.lock.release()
 
@@ -163,6 +187,7 @@ class Supervisor:
             write_json_atomic(self.rd.run_info, {"name": self.spec.name, "created": time.time(),
                                                  "job_path": self.spec.job_path,
                                                  "training_hash": self.spec.training_hash()})
+        self.remedies.recall(events)
         resumed = bool(events)
         self.journal.append("run_resumed" if resumed else "run_started", job=self.spec.job_path,
                             epochs=self.spec.epochs, pid=os.getpid())
@@ -191,7 +216,7 @@ class Supervisor:
             stop=stop_after_attempt(r.max + 1),
             wait=wait_exponential(multiplier=r.backoff_initial, exp_base=r.backoff_multiplier,
                                   max=r.backoff_max),
-            retry=retry_if_exception(lambda e: isinstance(e, AttemptFailed) and not e.fatal),
+            retry=retry_if_exception(lambda e: isinstance(e, AttemptFailed) and e.recoverable),
             before_sleep=self._before_restart,
             sleep=self._sleep,
             reraise=True,
@@ -217,50 +242,127 @@ class Supervisor:
     def _run_attempt(self) -> None:
         n = self._attempts_before + 1
         self._attempts_before = n
+        self._probe_accelerator(attempt=n)
         cmd = self.worker_cmd(self.spec, n)
-        env = _worker_env(self.env if self.env is not None else os.environ)
+        env = self._attempt_env()
+        self.remedies.reinit_next = False  # asked of this attempt only
         t0 = time.time()
         with open(self.rd.attempt_log(n), "ab") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, start_new_session=True,
                                          env=env, cwd=self.spec.job_dir)
         proc = self.proc
+        self.hang.start(n)
         self.journal.append("attempt_started", attempt=n, pid=proc.pid, host=os.uname().nodename,
                             from_epoch=self._latest_epoch(), log=self.rd.attempt_log(n))
         self.progress.attempt_started(n, self._latest_epoch())
         threading.Thread(target=lambda: self.q.put(("exit", proc, proc.wait())),
                          name=f"wait-attempt-{n}", daemon=True).start()
-        rc = self._wait(proc)
+        rc, hang_s = self._wait(proc, n)
         duration = time.time() - t0
         self._reconcile()
         error = read_json(self.rd.error_record(n))
         if error is not None and error.get("attempt") != n:
             error = None
+        completed = rc == 0 and self._completed()
+        diagnosis = None
+        if not completed:
+            if rc == 0:
+                error = error or {"type": "IncompleteRun",
+                                  "message": "the worker exited 0 before the last epoch"}
+            diagnosis = classify(rc, error, read_tail(self.rd.attempt_log(n)), hang_s)
         self.journal.append("attempt_ended", attempt=n, exit_code=rc,
                             signal=_signal_name(-rc) if rc < 0 else None,
-                            duration_s=round(duration, 3),
-                            error=_summary(error), epoch=self._latest_epoch())
+                            duration_s=round(duration, 3), error=_summary(error),
+                            epoch=self._latest_epoch(),
+                            kind=diagnosis.kind if diagnosis else None,
+                            signature=diagnosis.signature if diagnosis else None)
         self.proc = None
-        if rc == 0 and self._completed():
+        if completed:
             return
-        if rc == 0:
-            error = error or {"type": "IncompleteRun",
-                              "message": "the worker exited 0 before the last epoch"}
-        raise AttemptFailed(n, rc if rc != 0 else 1, error, duration)
+        self.remedies.ran_on = self._ready_strategy(n) or self.remedies.ran_on
+        failure = Failure(n, diagnosis.kind, diagnosis.signature, self._position(n, error),
+                          time.time(), diagnosis.evidence, diagnosis.escalate)
+        decision = self.policy.decide(failure, self.restarts)
+        detail, fields = (decision.reason, {}) if decision.action == GIVE_UP else \
+            self.remedies.apply(decision, self._attempt_env())
+        self.journal.append("recovery", attempt=n, kind=decision.kind, action=decision.action,
+                            detail=detail, **fields)
+        raise AttemptFailed(n, rc if rc != 0 else 1, error, duration, diagnosis, decision)
 
-    def _wait(self, proc: subprocess.Popen) -> int:
+    def _wait(self, proc: subprocess.Popen, n: int) -> tuple[int, float | None]:
+        """The worker's exit status, and the heartbeat age if it was stopped as hung."""
+        next_refresh = time.monotonic() + LOCK_REFRESH_S
+        next_probe = time.monotonic() + self.spec.probe_interval
         while True:
+            timeout = min(next_refresh, next_probe) - time.monotonic()
             try:
-                item = self.q.get(timeout=LOCK_REFRESH_S)
+                item = self.q.get(timeout=max(0.0, min(timeout, self.hang.remaining())))
             except queue.Empty:
-                self.lock.refresh()
-                continue
+                item = ("tick",)
             if item[0] == "exit" and item[1] is proc:
-                return item[2]
+                return item[2], None
             if item[0] == "checkpoint":
                 self._reconcile()
+            elif item[0] == "heartbeat":
+                self.hang.beat()
             elif item[0] == "stop":
                 raise Stopped()
+            if self.hang.remaining() <= 0:
+                return self._stop_hung(proc, n)
+            now = time.monotonic()
+            if now >= next_refresh:
+                self.lock.refresh()
+                next_refresh = now + LOCK_REFRESH_S
+            if now >= next_probe:
+                self._probe_accelerator(attempt=n, running=True)
+                next_probe = time.monotonic() + self.spec.probe_interval
+
+    def _stop_hung(self, proc: subprocess.Popen, n: int) -> tuple[int, float]:
+        """Stack dump of every thread into the attempt log, SIGTERM, grace, SIGKILL the group."""
+        age = self.hang.age()
+        self.journal.append("hang_detected", attempt=n, last_heartbeat_age_s=round(age, 3),
+                            timeout_s=self.hang.timeout, pid=proc.pid)
+        self.say(f"attempt {n}: no heartbeat for {age:.1f} s (limit {self.hang.timeout:g} s): "
+                 f"dumping its stacks into {self.rd.attempt_log(n)} and stopping it")
+        dump_stacks(proc.pid, self.rd.attempt_log(n))
+        self._stop_worker(proc, self.spec.stop_grace)
+        while True:
+            item = self.q.get()
+            if item[0] == "exit" and item[1] is proc:
+                return item[2], age
+
+    def _ready_strategy(self, n: int) -> str | None:
+        return next((e.get("strategy_kind") for e in self.journal.iter("worker_ready")
+                     if e.get("attempt") == n), None)
+
+    def _position(self, n: int, error: dict | None) -> str:
+        where = error if error and "epoch" in error else heartbeat.read(self.rd.root) or {}
+        if where.get("attempt", n) != n:
+            where = {}
+        return f"epoch {where.get('epoch', self._latest_epoch())} batch {where.get('batch', 0)}"
+
+    def _attempt_env(self) -> dict:
+        env = self.remedies.worker_env(_worker_env(self._base_env()))
+        env.pop(faults_mod.ENV, None)
+        if self.faults:
+            env[faults_mod.ENV] = json.dumps(self.faults)
+        return env
+
+    def _base_env(self) -> dict:
+        return dict(self.env if self.env is not None else os.environ)
+
+    # ------------------------------------------------------------------ accelerator watch
+    def _probe_accelerator(self, attempt: int, running: bool = False) -> None:
+        res = self.remedies.probe()()
+        changed = res.ok != self._accel_ok
+        if not running or changed:
+            self.journal.append("accelerator_probe", attempt=attempt, running=running,
+                                **res.as_dict())
+        if running and changed and not res.ok:
+            self.journal.append("accelerator_lost", attempt=attempt, **res.as_dict())
+            self.say(f"accelerator lost during attempt {attempt}: {res.detail}")
+        self._accel_ok = res.ok
 
     # ------------------------------------------------------------------ journal from checkpoints
     def _reconcile(self) -> None:
@@ -287,6 +389,7 @@ class Supervisor:
                                 weights_sha256=c.manifest.get("weights_sha256"),
                                 state_sha256=c.manifest.get("state_sha256"))
             self._journaled_ckpts.add(c.step)
+            self.policy.progress()  # the run moves: failures before this are not a loop
 
     def _latest_epoch(self) -> int:
         c = self.store.latest_valid()
@@ -310,32 +413,43 @@ class Supervisor:
         return 0
 
     def _give_up(self, failure: AttemptFailed) -> int:
-        reason = ("the job's code or configuration is wrong; a restart cannot fix it"
-                  if failure.fatal else
-                  f"restart budget of {self.spec.restarts.max} spent")
+        d, diag = failure.decision, failure.diagnosis
+        reason = d.reason if d else "gave up"
+        tried = [e["action"] for e in self.journal.iter("recovery") if e["action"] != GIVE_UP]
         self.journal.append("run_failed", reason=reason, last_attempt=failure.attempt,
                             exit_code=failure.exit_code, error=_summary(failure.error),
-                            epoch=self._latest_epoch(), restarts=self.restarts)
+                            epoch=self._latest_epoch(), restarts=self.restarts,
+                            kind=d.kind if d else None,
+                            evidence=diag.evidence if diag else None, tried=tried)
         self.progress.fault(f"FAULT {failure.kind}: {failure.describe()} -> giving up")
         self.say(f"run '{self.spec.name}' FAILED at epoch {self._latest_epoch()}/"
-                 f"{self.spec.epochs}: {reason}. Log: {self.rd.attempt_log(failure.attempt)}")
+                 f"{self.spec.epochs}: {reason}")
+        self.say(f"  kind: {d.kind if d else '?'}; evidence: {diag.evidence if diag else '?'}")
+        self.say(f"  tried: {', '.join(tried) or 'nothing (not retryable)'}; "
+                 f"log: {self.rd.attempt_log(failure.attempt)}")
         return 1
 
     # ------------------------------------------------------------------ process control
-    def _stop_worker(self) -> None:
-        proc = self.proc
-        if proc is None or proc.poll() is not None:
+    def _stop_worker(self, proc: subprocess.Popen | None = None, grace: float | None = None
+                     ) -> None:
+        """SIGTERM the worker's process group, wait ``grace``, then SIGKILL what is left of it
+        (data-loader processes that ignore SIGTERM too)."""
+        proc = proc or self.proc
+        if proc is None:
             return
-        for sig, grace in ((signal.SIGTERM, STOP_GRACE_S), (signal.SIGKILL, 5.0)):
+        grace = self.spec.stop_grace if grace is None else grace
+        if proc.poll() is None:
             try:
-                os.killpg(proc.pid, sig)
+                os.killpg(proc.pid, signal.SIGTERM)
+                proc.wait(timeout=grace)
             except ProcessLookupError:
                 return
-            try:
-                proc.wait(timeout=grace)
-                return
             except subprocess.TimeoutExpired:
-                continue
+                pass
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            return  # the whole group is gone
 
     def _install_signal_handlers(self):
         if threading.current_thread() is not threading.main_thread():

@@ -9,6 +9,7 @@ Exit ``EXIT_CONFIG`` says "this will fail the same way again": the supervisor do
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import importlib
 import os
@@ -18,12 +19,13 @@ import time
 import traceback
 
 from .checkpoints import CheckpointStore
-from .heartbeat import HeartbeatWriter, Progress
+from .faults import Injector
+from .heartbeat import HeartbeatWriter, Progress, register_stack_dump
 from .journal import Journal
 from .osutil import write_json_atomic
-from .rundir import CPU_DEVICES_ENV, EXIT_CONFIG, RunDir
+from .rundir import (CPU_DEVICES_ENV, ENV_BATCH_SIZE, ENV_REINIT, ENV_STRATEGY, EXIT_CONFIG,
+                     RunDir)
 from .spec import JobSpec, SpecError, load
-
 
 
 class JobError(Exception):
@@ -128,6 +130,17 @@ def _watch_parent(poll: float = 0.5) -> None:
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
+def apply_overrides(spec: JobSpec, env=None) -> tuple[JobSpec, bool]:
+    """The supervisor's recovery actions for this attempt: strategy, batch, reinitialise."""
+    env = os.environ if env is None else env
+    changes = {}
+    if env.get(ENV_STRATEGY):
+        changes["strategy"] = env[ENV_STRATEGY]
+    if env.get(ENV_BATCH_SIZE):
+        changes["batch_size"] = int(env[ENV_BATCH_SIZE])
+    return dataclasses.replace(spec, **changes), env.get(ENV_REINIT) == "1"
+
+
 def _build_model(spec: JobSpec, strategy, data):
     """Build and compile the job's model in ``strategy``'s scope, with every variable a
     checkpoint holds created now (model, metrics, optimizer), so that it can be restored."""
@@ -169,7 +182,7 @@ def train(spec: JobSpec, rd: RunDir, attempt: int, progress, t_start: float,
 
     from . import datasets, resume, state
     from .accelerators import resolve_strategy
-    from .callbacks import (CallbackStates, CheckpointCallback, HeartbeatCallback,
+    from .callbacks import (CallbackStates, CheckpointCallback, FaultCallback, HeartbeatCallback,
                             LearningRateCallback, OneTraining, ProgressCallback, ResumeState)
 
     journal = Journal(rd.journal)
@@ -178,8 +191,10 @@ def train(spec: JobSpec, rd: RunDir, attempt: int, progress, t_start: float,
     keras.utils.set_random_seed(spec.seed)
     if spec.deterministic:
         tf.config.experimental.enable_op_determinism()
+    spec, reinitialise = apply_overrides(spec)
+    injector = Injector.from_env(rd.root, attempt, journal)
 
-    strategy, described = resolve_strategy(spec.strategy)
+    strategy, described = resolve_strategy(spec.strategy, reinitialise=reinitialise)
     replicas = strategy.num_replicas_in_sync
     global_batch = spec.batch_size * replicas
     is_tpu = isinstance(strategy, tf.distribute.TPUStrategy)
@@ -194,7 +209,7 @@ def train(spec: JobSpec, rd: RunDir, attempt: int, progress, t_start: float,
     states = CallbackStates(job_callbacks)
     marks["model_built"] = round(time.time() - t_start, 3)
 
-    store = CheckpointStore(rd.checkpoints)
+    store = injector.wrap_store(CheckpointStore(rd.checkpoints))
     store.remove_partial()
     skipped = []
     latest = store.latest_valid(on_skip=lambda c, why: skipped.append((c, why)))
@@ -227,7 +242,9 @@ def train(spec: JobSpec, rd: RunDir, attempt: int, progress, t_start: float,
     marks["restored"] = round(time.time() - t_start, 3)
     progress.epoch, progress.batch, progress.step = at.epoch, at.batch, at.step
     journal.append("worker_ready", source="worker", attempt=attempt, strategy=described,
-                   replicas=replicas, global_batch=global_batch, steps_per_epoch=spe,
+                   strategy_kind=described.split()[0].lower(), reinitialised=reinitialise,
+                   batch_size=spec.batch_size, replicas=replicas, global_batch=global_batch,
+                   steps_per_epoch=spe,
                    resumed_from_epoch=at.epoch, resumed_from_batch=at.batch,
                    resumed_from_step=at.step, deterministic=spec.deterministic,
                    restored_state_sha256=restored,
@@ -269,6 +286,8 @@ def train(spec: JobSpec, rd: RunDir, attempt: int, progress, t_start: float,
         CheckpointCallback(store, spec.checkpoint, progress, spe, spec.epochs, at.history,
                            base_manifest, states),
     ]
+    if injector:
+        inner.append(FaultCallback(injector, progress))
     training = OneTraining(inner)
     for begin, end, skip in at.segments(spec.epochs):
         prog_cb.batch_offset = skip
@@ -308,6 +327,7 @@ def main(argv=None) -> int:
     p.add_argument("--attempt", type=int, required=True)
     args = p.parse_args(argv)
     t_start = time.time()
+    register_stack_dump()
     _watch_parent()
     try:
         spec = load(args.job, run_dir=args.run_dir)

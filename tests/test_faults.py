@@ -1,0 +1,126 @@
+"""Fault specs, once-per-run firing, and the faulty checkpoint store (no TensorFlow)."""
+import errno
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+from orchestrator import faults
+from orchestrator.checkpoints import CheckpointStore
+from orchestrator.journal import Journal
+
+
+@pytest.mark.parametrize("text,what,arg,at,n,dur", [
+    ("kill@step=5", "kill", None, "step", 5, None),
+    ("hang@step=12", "hang", None, "step", 12, None),
+    ("raise=out_of_memory@step=3", "raise", "out_of_memory", "step", 3, None),
+    ("exit=3@step=7", "exit", "3", "step", 7, None),
+    ("corrupt-checkpoint@epoch=2", "corrupt-checkpoint", None, "epoch", 2, None),
+    ("storage-down@step=4,for=2.5", "storage-down", None, "step", 4, 2.5),
+    ("kill@checkpoint=3", "kill", None, "checkpoint", 3, None),
+])
+def test_fault_specs_parse(text, what, arg, at, n, dur):
+    f = faults.parse(text)
+    assert (f.what, f.arg, f.at, f.n, f.duration) == (what, arg, at, n, dur)
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("kill@5", "expected kill@step=N"),
+    ("raise=hang@step=2", "KIND one of"),
+    ("raise=nonsense@step=2", "KIND one of"),
+    ("exit=x@step=1", "exit=CODE needs an integer"),
+    ("hang@epoch=1", "hang fires @step=N"),
+    ("storage-down@step=3", "storage-down needs it"),
+    ("kill@step=3,for=2", "goes with storage-down only"),
+])
+def test_bad_fault_specs_say_what_is_expected(text, expected):
+    with pytest.raises(faults.FaultSpecError) as e:
+        faults.parse(text)
+    assert expected in str(e.value) and repr(text) in str(e.value)
+
+
+def test_cli_rejects_a_bad_fault_before_starting(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "orchestrator", "run", "nojob.yaml", "--fault",
+                        "boom@step=1"], capture_output=True, text=True, cwd=ROOT)
+    assert p.returncode == 2 and "--fault 'boom@step=1'" in p.stderr
+    assert "Traceback" not in p.stderr
+
+
+def test_a_fault_fires_once_per_run_not_once_per_attempt(tmp_path):
+    journal = Journal(str(tmp_path / "events.jsonl"))
+    fired = []
+    for attempt in (1, 2, 3):
+        inj = faults.Injector(["exit=0@step=3"], str(tmp_path), attempt, journal)
+        inj._fire = fired.append  # record instead of exiting
+        for step in range(1, 6):
+            inj.at_step(step)
+    assert [f.text for f in fired] == ["exit=0@step=3"]
+    events = journal.events("fault_injected")
+    assert [(e["fault"], e["attempt"], e["step"]) for e in events] == [("exit=0@step=3", 1, 3)]
+    assert json.loads((tmp_path / "faults" / "exit_0_step_3.json").read_text())["attempt"] == 1
+
+
+def test_raise_builds_the_real_exception_with_a_catalogue_message():
+    e = faults.build_exception("storage")
+    assert type(e) is OSError and e.errno == errno.ENOTCONN
+    assert str(e) == "[Errno 107] Transport endpoint is not connected"
+    e = faults.build_exception("user_error")
+    assert type(e) is ValueError and "Please provide a TPU Name" in str(e)
+
+
+def _commit(store, step, epoch=None):
+    def payload(d):
+        with open(os.path.join(d, "state.npz"), "wb") as f:
+            f.write(b"x" * 64 + str(step).encode())
+    return store.commit(step, payload, {"epoch": epoch or step})
+
+
+def test_corrupt_checkpoint_makes_that_checkpoint_fail_verification(tmp_path):
+    inj = faults.Injector(["corrupt-checkpoint@epoch=2"], str(tmp_path), 1)
+    store = inj.wrap_store(CheckpointStore(str(tmp_path / "ck")))
+    _commit(store, 1)
+    c2 = _commit(store, 2)
+    assert "checksum mismatch" in store.verify(c2.path)
+    assert store.latest_valid().epoch == 1
+    _commit(store, 3)  # later commits are left alone: it fired once
+    assert store.latest_valid().epoch == 3
+
+
+def test_storage_down_fails_every_store_call_until_it_is_back(tmp_path):
+    inj = faults.Injector(["storage-down@step=2,for=60"], str(tmp_path), 1)
+    store = inj.wrap_store(CheckpointStore(str(tmp_path / "ck")))
+    _commit(store, 1)
+    inj.at_step(2)
+    with pytest.raises(OSError) as e:
+        _commit(store, 2)
+    assert e.value.errno == errno.ENOTCONN and "Transport endpoint" in str(e.value)
+    later = faults.Injector(["storage-down@step=2,for=60"], str(tmp_path), 2)
+    with pytest.raises(OSError):  # the next attempt finds it down too (durable record)
+        later.wrap_store(CheckpointStore(str(tmp_path / "ck"))).latest_valid()
+    rec = tmp_path / "faults" / "storage-down_step_2_for_60.json"
+    data = json.loads(rec.read_text())
+    rec.write_text(json.dumps(dict(data, until=data["time"])))  # the outage ends
+    assert later.wrap_store(CheckpointStore(str(tmp_path / "ck"))).latest_valid().epoch == 1
+
+
+def test_kill_at_checkpoint_dies_after_the_payload_and_before_the_rename(tmp_path):
+    code = ("import sys; sys.path.insert(0, %r)\n"
+            "from orchestrator import faults\n"
+            "from orchestrator.checkpoints import CheckpointStore\n"
+            "from test_faults import _commit\n"
+            "inj = faults.Injector(['kill@checkpoint=2'], %r, 1)\n"
+            "store = inj.wrap_store(CheckpointStore(%r))\n"
+            "for s in (1, 2, 3): _commit(store, s)\n"
+            % (os.path.join(ROOT, "tests"), str(tmp_path), str(tmp_path / "ck")))
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                       env=dict(os.environ, PYTHONPATH=ROOT))
+    assert p.returncode == -9, p.stderr
+    store = CheckpointStore(str(tmp_path / "ck"))
+    assert [c.step for c in store.list()] == [1]
+    tmp = [d for d in os.listdir(tmp_path / "ck") if d.startswith(".tmp-0000000002")]
+    assert len(tmp) == 1 and os.listdir(tmp_path / "ck" / tmp[0]) == ["state.npz"]
+    record = json.loads((tmp_path / "faults" / "kill_checkpoint_2.json").read_text())
+    assert record["step"] == 2 and record["tmp"].endswith(tmp[0])

@@ -1,0 +1,167 @@
+"""The recovery policy on its own: ladders, skipped rungs, budgets, crash loops, escalation."""
+import pytest
+
+from orchestrator.recovery import GIVE_UP, Failure, RecoveryPolicy, next_strategy
+from orchestrator.spec import CrashLoopSpec, RecoverySpec, Rung, SpecError
+
+
+class Clock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self):
+        return self.t
+
+
+def _policy(spec=RecoverySpec(), max_restarts=20, applicable=lambda a: None):
+    clock = Clock()
+    return RecoveryPolicy(spec, max_restarts, applicable=applicable, clock=clock), clock
+
+
+def _fail(kind, pos="epoch 0 batch 1", sig=None, t=1000.0, escalate=None, n=1):
+    return Failure(n, kind, sig, pos, t, "evidence", escalate)
+
+
+def test_accelerator_context_climbs_its_ladder_skipping_what_is_not_enabled():
+    spec = RecoverySpec(crash_loop=CrashLoopSpec(same_failure=10, failures=10))
+    policy, _ = _policy(spec, applicable=lambda a: "not enabled" if a in (
+        "reinstall_tensorflow", "fallback_strategy") else None)
+    actions = [policy.decide(_fail("accelerator_context", pos=f"epoch 0 batch {i}"), i).action
+               for i in range(3)]
+    assert actions == ["restart", "reinit_accelerator", GIVE_UP]
+    last = policy.next_rung("accelerator_context")
+    assert "exhausted" in last.reason
+
+
+def test_opted_in_rungs_are_taken_in_order_and_counted():
+    spec = RecoverySpec(crash_loop=CrashLoopSpec(same_failure=10, failures=10))
+    policy, _ = _policy(spec)
+    seen = [policy.decide(_fail("accelerator_context", pos=f"p{i}"), i) for i in range(5)]
+    assert [d.action for d in seen] == ["restart", "reinit_accelerator", "reinstall_tensorflow",
+                                        "fallback_strategy", GIVE_UP]
+    assert "ladder rung 3 (reinstall_tensorflow, 1 of 1)" in seen[2].reason
+
+
+def test_user_error_stops_at_once_unless_a_confirming_retry_is_configured():
+    policy, _ = _policy()
+    d = policy.decide(_fail("user_error"), 0)
+    assert d.action == GIVE_UP and "a restart cannot fix it" in d.reason
+    spec = RecoverySpec(ladders=(("user_error", (Rung("restart"),)),))
+    policy, _ = _policy(spec)
+    assert [policy.decide(_fail("user_error", pos=f"p{i}"), i).action for i in range(2)] == \
+        ["restart", GIVE_UP]
+
+
+def test_restart_budget_stops_an_otherwise_endless_ladder():
+    policy, _ = _policy(max_restarts=2)
+    d = [policy.decide(_fail("killed", pos=f"p{i}"), i) for i in range(3)]
+    assert [x.action for x in d] == ["restart", "restart", GIVE_UP]
+    assert d[2].reason == "restart budget of 2 spent"
+
+
+def test_same_kind_at_the_same_step_three_times_is_a_crash_loop():
+    policy, clock = _policy()
+    d = []
+    for i in range(3):
+        clock.t += 300  # slow enough for the window rule not to fire
+        d.append(policy.decide(_fail("unknown", t=clock.t), i))
+    assert [x.action for x in d] == ["restart", "restart", GIVE_UP]
+    assert "crash loop" in d[2].reason and "3 times in a row" in d[2].reason
+
+
+def test_four_failures_in_ten_minutes_without_a_checkpoint_is_a_crash_loop():
+    policy, clock = _policy()
+    d = [policy.decide(_fail("killed", pos=f"p{i}", t=clock.t + i), i) for i in range(4)]
+    assert [x.action for x in d][-1] == GIVE_UP
+    assert "4 failures within 10 minutes" in d[-1].reason
+    # the same four failures spread out, or with progress in between, are not a loop
+    policy, clock = _policy()
+    out = []
+    for i in range(6):
+        clock.t += 240
+        out.append(policy.decide(_fail("killed", pos=f"p{i}", t=clock.t), i).action)
+    assert GIVE_UP not in out
+    policy, clock = _policy()
+    for i in range(6):
+        assert policy.decide(_fail("killed", pos=f"p{i}", t=clock.t), i).action == "restart"
+        policy.progress()
+
+
+def test_progress_resets_the_ladders():
+    policy, _ = _policy(applicable=lambda a: None)
+    assert policy.decide(_fail("hang", pos="a"), 0).action == "restart"
+    assert policy.decide(_fail("hang", pos="b"), 1).action == "restart"
+    policy.progress()
+    assert policy.decide(_fail("hang", pos="c"), 2).action == "restart"
+    assert policy.decide(_fail("hang", pos="d"), 3).action == "restart"
+    assert policy.decide(_fail("hang", pos="e"), 4).action == GIVE_UP
+
+
+def test_illegal_address_at_the_same_step_twice_escalates_to_user_error():
+    esc = {"after": 2, "kind": "user_error"}
+    policy, _ = _policy()
+    first = policy.decide(_fail("accelerator_unavailable", sig="cuda_illegal_address",
+                                escalate=esc), 0)
+    assert first.action == "wait_accelerator"
+    second = policy.decide(_fail("accelerator_unavailable", sig="cuda_illegal_address",
+                                 escalate=esc), 1)
+    assert (second.kind, second.action) == ("user_error", GIVE_UP)
+    policy, _ = _policy()
+    policy.decide(_fail("accelerator_unavailable", sig="cuda_illegal_address", escalate=esc), 0)
+    other = policy.decide(_fail("accelerator_unavailable", pos="elsewhere",
+                                sig="cuda_illegal_address", escalate=esc), 1)
+    assert other.kind == "accelerator_unavailable"
+
+
+def test_strategy_fallback_order():
+    assert [next_strategy(s) for s in ("tpu", "gpu", "cpu", "auto")] == ["gpu", "cpu", None, None]
+
+
+def test_recovery_section_of_the_job_file(write_job):
+    from orchestrator.spec import load
+
+    base = "name: j\nmodel: m:f\ndata: m:g\nepochs: 1\nbatch_size: 4\n"
+    spec = load(write_job(base + """
+hang_timeout: 30
+recovery:
+  reinstall_tensorflow: true
+  pip: [/opt/py/bin/python, -m, pip]
+  pip_args: [--no-index]
+  halve_batch: true
+  ladders:
+    out_of_memory: [{halve_batch: 3}, restart, give_up]
+    killed: [{restart: budget}]
+  crash_loop: {same_failure: 2, window_minutes: 5}
+  wait: {initial: 0.5, timeout: 20}
+"""))
+    r = spec.recovery
+    assert spec.hang_timeout == 30 and r.reinstall_tensorflow and r.halve_batch
+    assert r.pip == ("/opt/py/bin/python", "-m", "pip") and r.pip_args == ("--no-index",)
+    assert r.ladder("out_of_memory") == (Rung("halve_batch", 3), Rung("restart"),
+                                         Rung("give_up"))
+    assert r.ladder("killed") == (Rung("restart", None),)
+    assert r.ladder("hang") is None
+    assert (r.crash_loop.same_failure, r.crash_loop.failures, r.crash_loop.window_minutes) == \
+        (2, 4, 5.0)
+    assert (r.wait_initial, r.wait_max, r.wait_timeout) == (0.5, 60.0, 20.0)
+
+
+@pytest.mark.parametrize("text,line,key,expected", [
+    ("recovery:\n  ladders:\n    oom: [restart]\n", 8, "recovery.ladders.oom", "unknown key"),
+    ("recovery:\n  ladders:\n    hang: [reboot]\n", 8, "recovery.ladders.hang",
+     "expected actions from restart"),
+    ("recovery:\n  ladders:\n    hang: [{restart: 0}]\n", 8, "recovery.ladders.hang",
+     "expected a count >= 1"),
+    ("recovery:\n  reinstall_tensorflow: yes please\n", 7, "recovery.reinstall_tensorflow",
+     "expected true or false"),
+    ("recovery:\n  pip: python -m pip\n", 7, "recovery.pip", "expected a list of strings"),
+    ("hang_timeout: 0\n", 6, "hang_timeout", "expected a number >= 0.1"),
+])
+def test_bad_recovery_settings_name_file_line_and_key(write_job, text, line, key, expected):
+    from orchestrator.spec import load
+
+    path = write_job("name: j\nmodel: m:f\ndata: m:g\nepochs: 1\nbatch_size: 4\n" + text)
+    with pytest.raises(SpecError) as e:
+        load(path)
+    assert e.value.line == line and e.value.key == key and expected in str(e.value)
+    assert str(e.value).startswith(f"{path}:{line}: key '{key}'")
