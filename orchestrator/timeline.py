@@ -159,8 +159,9 @@ def build(events: list[dict], running: bool = False, now: float | None = None) -
             a = attempts.get(e.get("attempt"))
             if a is not None:
                 a.kind = e.get("kind") or a.kind
-                a.actions.append(" ".join(str(x) for x in (e.get("action"), e.get("detail"))
-                                          if x))
+                if e.get("action") != "restart":  # a restart is told by its restart event
+                    a.actions.append(" ".join(str(x) for x in (e.get("action"), e.get("detail"))
+                                              if x))
             markers.append((ts, ev, f"{e.get('kind')}: {e.get('action')}"))
         elif ev == "restart":
             a = attempts.get(e.get("after_attempt"))

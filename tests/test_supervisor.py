@@ -143,7 +143,10 @@ def test_sigterm_stops_the_worker_group_and_keeps_the_run_resumable(fake_job, tm
 def test_supervisor_side_never_imports_tensorflow():
     code = ("import sys, orchestrator, orchestrator.cli, orchestrator.supervisor, "
             "orchestrator.status, orchestrator.api, orchestrator.progress, orchestrator.timeline, "
-            "orchestrator.report, orchestrator.doctor\n"
+            "orchestrator.report, orchestrator.doctor, orchestrator.failures, "
+            "orchestrator.recovery, orchestrator.remedies, orchestrator.probes, "
+            "orchestrator.hangs, orchestrator.reinstall, orchestrator.faults, "
+            "orchestrator.diagnose\n"
             "bad = [m for m in sys.modules if m.split('.')[0] in ('tensorflow', 'keras')]\n"
             "print(bad); sys.exit(1 if bad else 0)")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)

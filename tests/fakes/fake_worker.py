@@ -9,7 +9,7 @@ plan in $FAKE_PLAN (JSON) says, per attempt number:
    "error": {"1": {"type": ..., "message": ...}}  attempt 1 records this error, exits 1
    "exit_at_epoch": {"2": [3, -9]}, attempt 2 SIGKILLs itself when epoch 3 would begin
    "sleep_forever": ["3"],      attempt 3 never finishes (and never beats)
-   "batches": 5,                heartbeats per epoch (1 to 10), as the real worker's batches
+   "batches": 5,                heartbeats per epoch (up to 10), as the real worker's batches
    "mid_epoch": true,           also commit a checkpoint in the middle of each epoch
    "stop_early": {"1": 2},      attempt 1 ends training after epoch 2, as EarlyStopping does
    "child": ["1"],              attempt 1 starts a child in its process group (a data loader)
@@ -115,8 +115,9 @@ def train(spec, rd, attempt, plan, progress):
             if epoch == start + 1 and step == 1:
                 journal.append("first_step", source="worker", attempt=attempt)
             progress.batch, progress.step = step, (epoch - 1) * STEPS + step
-            if step * batches % STEPS == 0:
-                heart.beat(phase="training", epoch=epoch - 1, batch=step * batches // STEPS)
+            batch = step * batches // STEPS  # the batches of the plan, spread over the steps
+            if batch > (step - 1) * batches // STEPS:
+                heart.beat(phase="training", epoch=epoch - 1, batch=batch)
             injector.at_step(progress.step)
             if plan.get("mid_epoch") and step == STEPS // 2:
                 store.commit(epoch * STEPS - 5, payload, {"attempt": attempt, "epoch": epoch - 1,
