@@ -15,14 +15,16 @@ from .supervisor import Supervisor
 
 
 def run(job: str, run_dir: str | None = None, raise_on_interrupt: bool = True,
-        faults=()) -> int:
+        faults=(), force: bool = False, remount=None) -> int:
     """Start or resume the run of ``job``; return 0 when it completed, non-zero otherwise.
 
     With ``raise_on_interrupt`` (the notebook's default), a SIGINT (cell interrupt, Ctrl-C)
     raises KeyboardInterrupt once the worker is stopped; otherwise it returns 130.
     ``faults``: fault specs to inject (see orchestrator.faults), each fired once per run.
+    ``force`` resumes even though the model, data or optimizer changed; ``remount(dir)`` is
+    called when the durable checkpoint folder's mount is lost (overrides checkpoint.remount).
     """
-    sup = Supervisor(load(job, run_dir=run_dir), faults=faults)
+    sup = Supervisor(load(job, run_dir=run_dir), faults=faults, force=force, remount=remount)
     rc = sup.run()
     if rc == EXIT_STOPPED and raise_on_interrupt and sup.stop_signal == signal.SIGINT:
         raise KeyboardInterrupt("orchestrator: the worker was stopped; run the cell again "

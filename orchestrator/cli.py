@@ -7,6 +7,7 @@ import sys
 
 from .lock import LockedError
 from .spec import SpecError
+from .supervisor import IncompatibleResume
 
 EXIT_USAGE = 2
 EXIT_LOCKED = 3
@@ -21,7 +22,8 @@ def _cmd_run(args) -> int:
     except FaultSpecError as exc:
         print(f"orchestrator: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    return run(args.job, run_dir=args.run_dir, raise_on_interrupt=False, faults=faults)
+    return run(args.job, run_dir=args.run_dir, raise_on_interrupt=False, faults=faults,
+               force=args.force)
 
 
 def _cmd_diagnose(args) -> int:
@@ -40,6 +42,20 @@ def _cmd_diagnose(args) -> int:
     spec = load(args.job) if args.job else None
     print(json.dumps(diagnose(text, spec), indent=2))
     return 0
+
+
+def _cmd_export(args) -> int:
+    """Run the exporter in its own process: it imports TensorFlow, this process must not."""
+    import os
+    import subprocess
+
+    if not os.path.isfile(os.path.join(args.run_dir, "run.json")):
+        print(f"orchestrator: {args.run_dir}: not a run directory (no run.json)", file=sys.stderr)
+        return EXIT_USAGE
+    cmd = [sys.executable, "-m", "orchestrator.export", args.run_dir]
+    if args.out:
+        cmd += ["--out", args.out]
+    return subprocess.call(cmd)
 
 
 def _cmd_status(args) -> int:
@@ -92,11 +108,18 @@ def build_parser() -> argparse.ArgumentParser:
                         "hang@step=N, raise=KIND@step=N, exit=CODE@step=N, "
                         "corrupt-checkpoint@epoch=N, storage-down@step=N,for=SECONDS, "
                         "kill@checkpoint=N")
+    r.add_argument("--force", action="store_true",
+                   help="resume even though the model, data or optimizer changed")
     r.set_defaults(func=_cmd_run)
     d = sub.add_parser("diagnose", help="classify a log or traceback (FILE, or - for stdin)")
     d.add_argument("file")
     d.add_argument("--job", help="use this job's recovery policy (default: the defaults)")
     d.set_defaults(func=_cmd_diagnose)
+    e = sub.add_parser("export", help="write the run's model for inference (.keras, "
+                       ".weights.h5, SavedModel)")
+    e.add_argument("run_dir")
+    e.add_argument("--out", help="where to write (default RUN_DIR/export)")
+    e.set_defaults(func=_cmd_export)
     s = sub.add_parser("status", help="where a run stands")
     s.add_argument("run_dir")
     s.add_argument("--json", action="store_true", help="machine-readable output")
@@ -120,6 +143,9 @@ def main(argv=None) -> int:
     try:
         return args.func(args)
     except SpecError as exc:
+        print(f"orchestrator: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except IncompatibleResume as exc:
         print(f"orchestrator: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except LockedError as exc:

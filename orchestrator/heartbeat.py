@@ -41,14 +41,20 @@ class HeartbeatWriter:
         self.path = os.path.join(run_dir, FILE)
         self.attempt, self.interval = attempt, interval
         self._last = 0.0
+        self.failures, self.last_error = 0, None  # beats that could not be written
 
     def beat(self, force: bool = False, **where) -> bool:
         now = time.time()
         if not force and now - self._last < self.interval:
             return False
         self._last = now
-        write_json_atomic(self.path, {"time": round(now, 3), "pid": os.getpid(),
-                                      "attempt": self.attempt, **where}, durable=False)
+        try:
+            write_json_atomic(self.path, {"time": round(now, 3), "pid": os.getpid(),
+                                          "attempt": self.attempt, **where}, durable=False)
+        except OSError as exc:  # the run dir on Drive may be gone a while: keep training
+            self.failures += 1
+            self.last_error = exc
+            return False
         return True
 
 

@@ -3,12 +3,19 @@
 One JSON object a line, each written with a single ``write`` on an ``O_APPEND`` descriptor and
 fsynced, so that a process killed mid-write leaves at most one torn last line, which the reader
 skips. The journal is the history the status command, the report and the tests read.
+
+The run directory may be a Google Drive mount that comes and goes: an append that fails with an
+``OSError`` is held in memory and written, in order, before the next append that succeeds, so
+losing Drive for a while neither kills the writer nor loses events (unless the process dies
+before Drive is back).
 """
 from __future__ import annotations
 
 import json
 import os
 import socket
+import sys
+import threading
 import time
 from typing import Iterator
 
@@ -16,20 +23,34 @@ from typing import Iterator
 class Journal:
     def __init__(self, path: str):
         self.path = path
+        self.held: list[str] = []  # lines not yet written: the journal's folder was failing
+        self._lock = threading.Lock()
 
     def append(self, event: str, **fields) -> dict:
         record = {"ts": round(time.time(), 3), "event": event, **fields}
         line = json.dumps(record, sort_keys=False, default=str) + "\n"
+        with self._lock:
+            self.held.append(line)
+            try:
+                self._write("".join(self.held))
+            except OSError as exc:
+                if len(self.held) == 1:
+                    print(f"[orchestrator] cannot write the journal {self.path} ({exc}); "
+                          f"holding events until it is writable", file=sys.stderr, flush=True)
+                return record
+            self.held.clear()
+        return record
+
+    def _write(self, text: str) -> None:
         fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
         try:
             size = os.fstat(fd).st_size
             if size and os.pread(fd, 1, size - 1) != b"\n":
-                line = "\n" + line  # end a torn line left by a killed writer
-            os.write(fd, line.encode())
+                text = "\n" + text  # end a torn line left by a killed writer
+            os.write(fd, text.encode())
             os.fsync(fd)
         finally:
             os.close(fd)
-        return record
 
     def events(self, kind: str | None = None) -> list[dict]:
         return list(self.iter(kind))

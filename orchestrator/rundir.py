@@ -45,6 +45,11 @@ class RunDir:
         """Frozen facts of the run: job path, training hash, created."""
         return os.path.join(self.root, "run.json")
 
+    @property
+    def export(self) -> str:
+        """The final model for inference (.keras, .weights.h5, saved_model/, export.json)."""
+        return os.path.join(self.root, "export")
+
     def attempt_log(self, n: int) -> str:
         return os.path.join(self.attempts, f"{n}.log")
 
@@ -52,6 +57,7 @@ class RunDir:
         return os.path.join(self.attempts, f"{n}.error.json")
 
     def make(self) -> "RunDir":
+        """Create what a run needs to start; ``checkpoints/`` (the durable tier) is created by
+        its first commit, so a Drive that fails there cannot stop a start."""
         os.makedirs(self.attempts, exist_ok=True)
-        os.makedirs(self.checkpoints, exist_ok=True)
         return self

@@ -49,12 +49,26 @@ class CompileSpec:
 
 @dataclass(frozen=True)
 class CheckpointSpec:
-    """When to commit: every N epochs, and also every N steps and/or T seconds (mid-epoch)."""
+    """When to checkpoint, what to keep, and the two tiers (see ``tiers.py``)."""
 
     every_epochs: int = 1
     keep: int = 3
-    every_steps: int | None = None
-    every_seconds: float | None = None
+    every_steps: int | None = None         # also commit mid-epoch every N steps ...
+    every_seconds: float | None = None     # ... and/or every T seconds
+    keep_every_epochs: int | None = None   # also keep one checkpoint every N epochs
+    keep_best: str | None = None           # also keep the best by this metric (e.g. val_loss)
+    keep_best_mode: str = "min"
+    local_dir: str = ""                    # the fast tier; "" until load() fills the default
+    remount: str | None = None             # "colab" or module:function, called with the dir
+    flush_timeout: float = 600.0           # how long the end of a run waits for durable copies
+    upload_backoff_initial: float = 1.0
+    upload_backoff_max: float = 60.0
+
+    @property
+    def retention(self):
+        from .checkpoints import Retention
+
+        return Retention(self.keep, self.keep_every_epochs, self.keep_best, self.keep_best_mode)
 
 
 @dataclass(frozen=True)
@@ -152,9 +166,9 @@ class JobSpec:
     probe_interval: float = 60.0     # accelerator probe period while an attempt runs
     recovery: RecoverySpec = RecoverySpec()
 
-    def training_hash(self) -> str:
-        """A hash of what decides the trained model (not epochs, restarts or paths)."""
-        relevant = {
+    def training_relevant(self) -> dict:
+        """What decides the trained model (not epochs, restarts, checkpoints or paths)."""
+        return json.loads(json.dumps({
             "model": dataclasses.asdict(self.model),
             "data": dataclasses.asdict(self.data),
             "compile": dataclasses.asdict(self.compile) if self.compile else None,
@@ -163,8 +177,11 @@ class JobSpec:
             "deterministic": self.deterministic,
             "learning_rate": dataclasses.asdict(self.learning_rate) if self.learning_rate else None,
             "callbacks": [dataclasses.asdict(c) for c in self.callbacks],
-        }
-        blob = json.dumps(relevant, sort_keys=True, default=str).encode()
+        }, sort_keys=True, default=str))
+
+    def training_hash(self) -> str:
+        """A hash of ``training_relevant()``: a run may only resume under the same one."""
+        blob = json.dumps(self.training_relevant(), sort_keys=True, default=str).encode()
         return hashlib.sha256(blob).hexdigest()
 
 
@@ -460,16 +477,12 @@ def load(path: str, run_dir: str | None = None) -> JobSpec:
             r.fail("compile.metrics", f"expected a list of metric names, got {metrics!r}")
         compile_spec = CompileSpec(opt, c["loss"], tuple(metrics))
 
-    ckpt = CheckpointSpec()
-    if "checkpoint" in data:
-        c = r.mapping(data["checkpoint"], "checkpoint",
-                      {"every_epochs", "keep", "every_steps", "every_seconds"})
-        ckpt = CheckpointSpec(
-            every_epochs=r.integer(c, "every_epochs", "checkpoint.every_epochs", 1, 1),
-            keep=r.integer(c, "keep", "checkpoint.keep", 3, 1),
-            every_steps=r.integer(c, "every_steps", "checkpoint.every_steps", None, 1),
-            every_seconds=r.number(c, "every_seconds", "checkpoint.every_seconds", None, 0.1),
-        )
+    job_dir = os.path.dirname(os.path.abspath(path))
+    rd = run_dir if run_dir is not None else r.string(data, "run_dir", "run_dir",
+                                                      os.path.join("runs", name))
+    rd = os.path.abspath(os.path.expanduser(rd))
+    ckpt = _checkpoint_spec(r, data.get("checkpoint", {}) if "checkpoint" in data else {},
+                            name, rd)
 
     restarts = RestartSpec()
     if "restarts" in data:
@@ -484,9 +497,6 @@ def load(path: str, run_dir: str | None = None) -> JobSpec:
             backoff_multiplier=r.number(b, "multiplier", "restarts.backoff.multiplier", 2.0, 1),
         )
 
-    job_dir = os.path.dirname(os.path.abspath(path))
-    rd = run_dir if run_dir is not None else r.string(data, "run_dir", "run_dir",
-                                                      os.path.join("runs", name))
     return JobSpec(
         name=name,
         model=r.factory(data, "model"),
@@ -495,7 +505,7 @@ def load(path: str, run_dir: str | None = None) -> JobSpec:
         batch_size=r.integer(data, "batch_size", "batch_size", minimum=1),
         strategy=r.string(data, "strategy", "strategy", "auto", STRATEGIES),
         seed=r.integer(data, "seed", "seed", 0, 0),
-        run_dir=os.path.abspath(os.path.expanduser(rd)),
+        run_dir=rd,
         job_path=os.path.abspath(path),
         job_dir=job_dir,
         compile=compile_spec,
@@ -511,4 +521,47 @@ def load(path: str, run_dir: str | None = None) -> JobSpec:
         stop_grace=r.number(data, "stop_grace", "stop_grace", 10.0, 0),
         probe_interval=r.number(data, "probe_interval", "probe_interval", 60.0, 0.1),
         recovery=_recovery(r, data["recovery"]) if "recovery" in data else RecoverySpec(),
+    )
+
+
+CHECKPOINT_KEYS = {"every_epochs", "keep", "every_steps", "every_seconds", "keep_every_epochs",
+                   "keep_best", "local_dir", "remount", "flush_timeout", "upload_backoff"}
+
+
+def _checkpoint_spec(r: _Reader, c, name: str, run_dir: str) -> CheckpointSpec:
+    from .tiers import default_local_dir
+
+    r.mapping(c, "checkpoint", CHECKPOINT_KEYS)
+    best, mode = None, "min"
+    if c.get("keep_best") is not None:
+        b = r.mapping(c["keep_best"], "checkpoint.keep_best", {"metric", "mode"}, {"metric"})
+        best = r.string(b, "metric", "checkpoint.keep_best.metric")
+        mode = r.string(b, "mode", "checkpoint.keep_best.mode", "min", ("min", "max"))
+    local = r.string(c, "local_dir", "checkpoint.local_dir", None)
+    local = (os.path.abspath(os.path.expanduser(local)) if local
+             else default_local_dir(name, run_dir))
+    if os.path.normpath(local) == os.path.normpath(os.path.join(run_dir, "checkpoints")):
+        r.fail("checkpoint.local_dir", "expected a local folder other than the run directory's "
+               "checkpoints/ (that is the durable tier)")
+    remount = r.string(c, "remount", "checkpoint.remount", None)
+    if remount is not None and remount != "colab" and not _FACTORY_RE.match(remount):
+        r.fail("checkpoint.remount", f"expected 'colab' or 'module:function', got {remount!r}")
+    b = {}
+    if "upload_backoff" in c:
+        b = r.mapping(c["upload_backoff"], "checkpoint.upload_backoff", {"initial", "max"})
+    return CheckpointSpec(
+        every_epochs=r.integer(c, "every_epochs", "checkpoint.every_epochs", 1, 1),
+        keep=r.integer(c, "keep", "checkpoint.keep", 3, 1),
+        every_steps=r.integer(c, "every_steps", "checkpoint.every_steps", None, 1),
+        every_seconds=r.number(c, "every_seconds", "checkpoint.every_seconds", None, 0.1),
+        keep_every_epochs=r.integer(c, "keep_every_epochs", "checkpoint.keep_every_epochs",
+                                    None, 1),
+        keep_best=best,
+        keep_best_mode=mode,
+        local_dir=local,
+        remount=remount,
+        flush_timeout=r.number(c, "flush_timeout", "checkpoint.flush_timeout", 600.0, 0),
+        upload_backoff_initial=r.number(b, "initial", "checkpoint.upload_backoff.initial", 1.0,
+                                        0),
+        upload_backoff_max=r.number(b, "max", "checkpoint.upload_backoff.max", 60.0, 0),
     )

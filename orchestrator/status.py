@@ -15,6 +15,7 @@ from .journal import Journal
 from .lock import FILE as LOCK_FILE, RunLock
 from .osutil import read_json
 from .rundir import RunDir
+from .spec import SpecError, load
 
 
 def load_run(run_dir: str):
@@ -36,7 +37,20 @@ def run_status(run_dir: str, now: float | None = None) -> dict:
     acct = timeline.account(tl)
     epochs_total = next((e.get("epochs") for e in reversed(events)
                          if e["event"] in timeline.SESSION_START), None)
-    latest = CheckpointStore(rd.checkpoints).latest_valid()
+    durable = CheckpointStore(rd.checkpoints)  # the run directory's: the durable tier
+    try:
+        durable_latest, durable_error = durable.latest_valid(), None
+    except OSError as exc:
+        durable_latest, durable_error = None, str(exc)
+    try:  # the local tier is known from the run's job copy (and exists on its machine only)
+        local = CheckpointStore(load(rd.job_copy, run_dir=rd.root).checkpoint.local_dir)
+        local_latest = local.latest_valid()
+    except (SpecError, OSError):
+        local_latest = None
+    latest = max((c for c in (local_latest, durable_latest) if c), key=lambda c: c.step,
+                 default=None)
+    tier_event = next((e for e in reversed(events)
+                       if e["event"] in ("durable_unreachable", "durable_restored")), None)
     last = tl.sessions[-1].how if tl.sessions else "ended"
     state = {"running": "running", "completed": "completed", "failed": "failed"}.get(
         last, "stopped")  # stopped: interrupted or stopped; `run` resumes it
@@ -70,7 +84,10 @@ def run_status(run_dir: str, now: float | None = None) -> dict:
         "time_by_cause_s": acct["by_cause_s"],
         "away_s": acct["away_s"],
         "last_checkpoint": _checkpoint(latest),
-        "checkpoints_by_tier": _tiers(events, latest),
+        "checkpoints_by_tier": _tiers(events, durable_latest, local_latest),
+        "durable_unreachable_since": (tier_event["ts"] if running and tier_event and
+                                      tier_event["event"] == "durable_unreachable" else None),
+        "durable_error": durable_error,
         "last_error": _last_error(failed, run_failed),
         "failure": None if run_failed is None or state != "failed" else {
             k: run_failed.get(k) for k in ("kind", "reason", "evidence", "tried")
@@ -97,10 +114,13 @@ def _checkpoint(c) -> dict | None:
             "committed_at": c.manifest.get("committed_at"), "verified": True}
 
 
-def _tiers(events: list[dict], latest) -> dict:
-    """The newest checkpoint in each tier: the run directory's (verified now), and each tier
-    the journal names (``checkpoint_durable`` events, or checkpoint events with a ``tier``)."""
-    tiers = {"run_dir": _checkpoint(latest)}
+def _tiers(events: list[dict], run_dir, local) -> dict:
+    """The newest checkpoint in each tier: the run directory's and the local tier's (verified
+    now; the local one where this machine holds it), and each tier the journal names
+    (``checkpoint_durable`` events, or checkpoint events with a ``tier``)."""
+    tiers = {"run_dir": _checkpoint(run_dir)}
+    if local is not None:
+        tiers["local"] = _checkpoint(local)
     for e in events:
         ev = e.get("event", "")
         tier = "durable" if ev == "checkpoint_durable" else \
@@ -166,6 +186,11 @@ def format_status(s: dict, now: float | None = None) -> str:
             continue
         age = f", {fmt_duration(now - c['committed_at'])} ago" if c.get("committed_at") else ""
         lines.append(f"  last checkpoint ({tier}): epoch {c['epoch']}, step {c['step']}{age}")
+    if s.get("durable_unreachable_since"):
+        lines.append(f"  durable tier unreachable for "
+                     f"{fmt_duration(now - s['durable_unreachable_since'])}; training goes on")
+    if s.get("durable_error"):
+        lines.append(f"  durable tier: {s['durable_error']}")
     if s["metrics"]:
         lines.append("  last metrics: " + fmt_metrics(s["metrics"]))
     if s["last_error"]:

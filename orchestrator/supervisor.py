@@ -7,7 +7,11 @@ thread: noticed at once), the checkpoint directory and the heartbeat file (watch
 a tick (lock refresh, accelerator probe); a silent worker is a hang. A failed attempt is
 classified (failures.py) and the recovery policy (recovery.py) picks the next action, which is
 carried out before the next attempt. The journal's epoch and checkpoint events are derived from
-committed checkpoints, so each completed epoch is journaled exactly once whichever process dies.
+committed checkpoints of either tier (the worker commits to the local tier; the durable mirror,
+a thread of this process, copies them to the run directory), so each completed epoch is
+journaled exactly once whichever process dies. A run resumes only under the training hash it
+was created with, unless forced. At the end the durable backlog is flushed and the model is
+exported for inference by a separate process (TensorFlow).
 """
 from __future__ import annotations
 
@@ -28,12 +32,13 @@ from watchdog.events import FileSystemEventHandler
 from watchdog.observers import Observer
 
 from . import faults as faults_mod
-from . import heartbeat
-from .checkpoints import CheckpointStore
+from . import heartbeat, tiers
+from .checkpoints import COMMIT_MARKER
 from .failures import Diagnosis, classify, read_tail
 from .hangs import HangClock, HeartbeatEvents, dump_stacks
 from .journal import Journal
 from .lock import RunLock
+from .mirror import DurableMirror, remount_hook
 from .osutil import pid_alive, read_json, write_json_atomic
 from .progress import Progress
 from .recovery import GIVE_UP, Decision, Failure, RecoveryPolicy
@@ -80,6 +85,10 @@ class Stopped(Exception):
     """The supervisor was asked to stop (SIGTERM, SIGINT or KeyboardInterrupt)."""
 
 
+class IncompatibleResume(Exception):
+    """The job's model, data or optimizer changed since the run was created."""
+
+
 def _signal_name(n: int) -> str:
     try:
         return signal.Signals(n).name
@@ -88,14 +97,21 @@ def _signal_name(n: int) -> str:
 
 
 class _CheckpointEvents(FileSystemEventHandler):
+    """Commits only: a checkpoint directory renamed into place, or its commit marker written."""
+
     def __init__(self, q: queue.Queue):
         self.q = q
 
-    def on_moved(self, event):  # the commit of a checkpoint is a rename
-        self.q.put(("checkpoint", event.dest_path))
+    def on_moved(self, event):
+        self._maybe(event.dest_path)
 
     def on_created(self, event):
-        self.q.put(("checkpoint", event.src_path))
+        self._maybe(event.src_path)
+
+    def _maybe(self, path) -> None:
+        name = os.path.basename(os.fsdecode(path))
+        if name == COMMIT_MARKER or (len(name) == 10 and name.isdigit()):
+            self.q.put(("checkpoint", path))
 
 
 def worker_command(spec: JobSpec, attempt: int) -> list[str]:
@@ -103,17 +119,33 @@ def worker_command(spec: JobSpec, attempt: int) -> list[str]:
             "--run-dir", spec.run_dir, "--attempt", str(attempt)]
 
 
+def export_command(spec: JobSpec) -> list[str]:
+    return [sys.executable, "-m", "orchestrator.export", spec.run_dir]
+
+
 class Supervisor:
     def __init__(self, spec: JobSpec, worker_cmd=worker_command, out=None, env=None,
-                 faults=()):
+                 faults=(), force: bool = False, remount=None, export_cmd="auto"):
+        """``force`` resumes under a changed training hash. ``remount(durable_dir)`` replaces
+        the job's ``checkpoint.remount`` hook (a notebook may pass its own). ``export_cmd(spec)``
+        is the exporter; "auto" means the real one with the real worker and none with a custom
+        worker command (tests' fake workers)."""
         self.spec = spec
+        self.force = force
+        if export_cmd == "auto":
+            export_cmd = export_command if worker_cmd is worker_command else None
+        self.export_cmd = export_cmd
         self.faults = [faults_mod.parse(f).text for f in faults]
         self.rd = RunDir(spec.run_dir)
         self.worker_cmd = worker_cmd
         self.out = out or sys.stdout
         self.env = env
         self.journal = Journal(self.rd.journal)
-        self.store = CheckpointStore(self.rd.checkpoints)
+        self.store = tiers.for_spec(spec)
+        c = spec.checkpoint
+        self.mirror = DurableMirror(self.store, self.journal, c.retention,
+                                    c.upload_backoff_initial, c.upload_backoff_max,
+                                    remount=remount or remount_hook(spec), say=self.say)
         self.lock = RunLock(self.rd.root)
         self.q: queue.Queue = queue.Queue()
         self.proc: subprocess.Popen | None = None
@@ -140,10 +172,14 @@ class Supervisor:
         try:
             self.progress.start()
             self._open_run(stale)
+            os.makedirs(self.store.local.root, exist_ok=True)
             observer = Observer()
-            observer.schedule(_CheckpointEvents(self.q), self.rd.checkpoints, recursive=False)
+            observer.schedule(_CheckpointEvents(self.q), self.store.local.root, recursive=True)
+            if os.path.isdir(self.rd.checkpoints):  # commits a worker made there directly
+                observer.schedule(_CheckpointEvents(self.q), self.rd.checkpoints)
             observer.schedule(HeartbeatEvents(self.q), self.rd.root, recursive=False)
             observer.start()
+            self.mirror.start()
             try:
                 if not self._completed():
                     self._attempt_loop()
@@ -163,6 +199,7 @@ class Supervisor:
             return EXIT_STOPPED
         finally:
             self._stop_worker()
+            self.mirror.stop()
             self.progress.stop()
             self._restore_signal_handlers(old_handlers)
             self.lock.release()
@@ -172,6 +209,7 @@ class Supervisor:
 
     # ------------------------------------------------------------------ run lifecycle
     def _open_run(self, stale: dict | None) -> None:
+        self._check_resume()
         events = self.journal.events()
         self._journaled_epochs = {e["epoch"] for e in events if e["event"] == "epoch_completed"}
         self._journaled_ckpts = {e["step"] for e in events if e["event"] == "checkpoint_committed"}
@@ -186,7 +224,15 @@ class Supervisor:
         if info is None:
             write_json_atomic(self.rd.run_info, {"name": self.spec.name, "created": time.time(),
                                                  "job_path": self.spec.job_path,
-                                                 "training_hash": self.spec.training_hash()})
+                                                 "training_hash": self.spec.training_hash(),
+                                                 "training": self.spec.training_relevant()})
+        elif self._forced is not None:
+            self.journal.append("resume_forced", **self._forced)
+            write_json_atomic(self.rd.run_info, dict(
+                info, job_path=self.spec.job_path, training_hash=self.spec.training_hash(),
+                training=self.spec.training_relevant(),
+                previous_training_hashes=info.get("previous_training_hashes", [])
+                + [info.get("training_hash")]))
         self.remedies.recall(events)
         resumed = bool(events)
         self.journal.append("run_resumed" if resumed else "run_started", job=self.spec.job_path,
@@ -195,6 +241,28 @@ class Supervisor:
         done = self._latest_epoch()
         self.say(f"{'resuming' if resumed else 'starting'} run '{self.spec.name}' in "
                  f"{self.rd.root} at epoch {done}/{self.spec.epochs}")
+
+    def _check_resume(self) -> None:
+        """Refuse to resume under a changed model, data, compile, batch size or seed: the
+        checkpoints would be continued by a different training. ``force`` overrides."""
+        self._forced = None
+        info = read_json(self.rd.run_info)
+        if not info or not info.get("training_hash"):
+            return
+        old, new = info["training_hash"], self.spec.training_hash()
+        if old == new:
+            return
+        before, now = info.get("training") or {}, self.spec.training_relevant()
+        changed = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k))
+        what = ", ".join(changed) if before else "model, data, compile, batch_size or seed"
+        if not self.force:
+            raise IncompatibleResume(
+                f"{self.spec.job_path}: cannot resume the run in {self.rd.root}: {what} changed "
+                f"since it was created (training hash {old[:12]} in run.json, {new[:12]} now). "
+                f"Resuming would continue its checkpoints with a different training. Use another "
+                f"run_dir for a new run, or `orchestrator run --force` to resume anyway.")
+        self._forced = {"changed": changed, "old_hash": old, "new_hash": new}
+        self.say(f"resuming despite changed {what} (--force)")
 
     def _kill_orphan(self, events: list[dict]) -> None:
         """A worker of a dead supervisor may still run (same host): stop it before we start."""
@@ -366,12 +434,14 @@ class Supervisor:
 
     # ------------------------------------------------------------------ journal from checkpoints
     def _reconcile(self) -> None:
-        """Journal every committed checkpoint and the epochs it covers, each exactly once."""
-        for c in self.store.list():
-            if c.step in self._journaled_ckpts:
+        """Journal every committed checkpoint (either tier) and the epochs it covers, each
+        exactly once, then wake the durable mirror."""
+        for step, copies in sorted(self.store.copies().items()):
+            if step in self._journaled_ckpts:
                 continue
-            reason = self.store.verify(c.path)
-            if reason is not None:
+            c = next((c for c in copies if self.store.local.verify(c.path, cached=True) is None),
+                     None)
+            if c is None:
                 continue  # not (yet) intact; a later scan or the restore will judge it
             for h in c.manifest.get("history", []):
                 e = h.get("epoch")
@@ -390,6 +460,7 @@ class Supervisor:
                                 state_sha256=c.manifest.get("state_sha256"))
             self._journaled_ckpts.add(c.step)
             self.policy.progress()  # the run moves: failures before this are not a loop
+        self.mirror.notify()
 
     def _latest_epoch(self) -> int:
         c = self.store.latest_valid()
@@ -403,14 +474,51 @@ class Supervisor:
     def _finish(self) -> int:
         final = self.store.latest_valid()
         fp = final.manifest.get("weights_sha256") if final else None
+        pending = self._flush_durable()
         already = any(True for _ in self.journal.iter("run_completed"))
         if not already:
             self.journal.append("run_completed", epochs=final.epoch, weights_sha256=fp,
                                 state_sha256=final.manifest.get("state_sha256"),
-                                checkpoint=final.path, restarts=self.restarts)
+                                checkpoint=final.path, restarts=self.restarts,
+                                durable_pending=pending)
         self.say(f"run '{self.spec.name}' completed: {final.epoch} epochs, "
                  f"{self.restarts} restart(s) this session; weights sha256 {fp}")
+        self._export(final)
         return 0
+
+    def _flush_durable(self) -> list[int]:
+        """Wait (up to checkpoint.flush_timeout) until every checkpoint due is durable."""
+        timeout = self.spec.checkpoint.flush_timeout
+        pending = self.mirror.flush(timeout)
+        if pending:
+            self.journal.append("durable_backlog", steps=pending, at="run_end",
+                                local_dir=self.store.local.root)
+            self.say(f"WARNING: {len(pending)} checkpoint(s) are not durable after {timeout:.0f} s "
+                     f"(steps {pending}); they are only in {self.store.local.root}. Run the same "
+                     f"command again on this machine to flush them.")
+        return pending
+
+    def _export(self, final) -> None:
+        """Export the final model for inference in a separate process (it imports TF)."""
+        if self.export_cmd is None or final is None:
+            return
+        done = read_json(os.path.join(self.rd.export, "export.json")) or {}
+        if done.get("weights_sha256") == final.manifest.get("weights_sha256"):
+            return
+        log = os.path.join(self.rd.attempts, "export.log")
+        t0 = time.time()
+        with open(log, "ab") as f:
+            rc = subprocess.call(self.export_cmd(self.spec), stdout=f, stderr=subprocess.STDOUT,
+                                 stdin=subprocess.DEVNULL, cwd=self.spec.job_dir,
+                                 env=_worker_env(self._base_env()))
+        if rc == 0:
+            self.journal.append("exported", path=self.rd.export, step=final.step,
+                                seconds=round(time.time() - t0, 3))
+            self.say(f"exported the model for inference to {self.rd.export}")
+        else:
+            self.journal.append("export_failed", exit_code=rc, log=log)
+            self.say(f"export failed (exit code {rc}); see {log}; retry with "
+                     f"`orchestrator export {self.rd.root}`")
 
     def _give_up(self, failure: AttemptFailed) -> int:
         d, diag = failure.decision, failure.diagnosis

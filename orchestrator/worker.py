@@ -18,7 +18,7 @@ import threading
 import time
 import traceback
 
-from .checkpoints import CheckpointStore
+from . import tiers
 from .faults import Injector
 from .heartbeat import HeartbeatWriter, Progress, register_stack_dump
 from .journal import Journal
@@ -209,13 +209,13 @@ def train(spec: JobSpec, rd: RunDir, attempt: int, progress, t_start: float,
     states = CallbackStates(job_callbacks)
     marks["model_built"] = round(time.time() - t_start, 3)
 
-    store = injector.wrap_store(CheckpointStore(rd.checkpoints))
+    store = injector.wrap_store(tiers.for_spec(spec))  # commits: local tier
     store.remove_partial()
     skipped = []
     latest = store.latest_valid(on_skip=lambda c, why: skipped.append((c, why)))
     for c, why in skipped:
         journal.append("checkpoint_skipped", source="worker", attempt=attempt, step=c.step,
-                       reason=why)
+                       path=c.path, reason=why)
     at = resume.plan(latest.manifest if latest else None, global_batch=global_batch,
                      steps_per_epoch=spe, deterministic=spec.deterministic)
     arrays: dict = {}

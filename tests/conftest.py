@@ -9,6 +9,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAKE_WORKER = os.path.join(ROOT, "tests", "fakes", "fake_worker.py")
 
 
+@pytest.fixture(autouse=True)
+def _local_tier_in_pytest_tmp(tmp_path_factory, monkeypatch):
+    """The default local checkpoint tier lives under the temp dir: keep it in pytest's own
+    temp dirs (for this process and the workers it starts), not in /tmp."""
+    import tempfile
+
+    tmp = tmp_path_factory.mktemp("tmpdir")
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    monkeypatch.setattr(tempfile, "tempdir", None)
+
+
 @pytest.fixture
 def write_job(tmp_path):
     """Write a job file (YAML text, dedented) into tmp_path and return its path."""

@@ -292,3 +292,53 @@ def test_cifar10_resnet_synthetic_smoke(tmp_path):
     ph = ready["phases_s"]
     assert 0 < ph["tf_imported"] <= ph["model_built"] <= ph["restored"] <= ready["startup_s"]
     assert ready["started_at"] <= next(e["ts"] for e in events if e["event"] == "first_step")
+
+
+
+
+def test_export_formats_load_on_cpu_and_predict_as_the_run_s_model(digits_job, tmp_path):
+    text = open(digits_job).read().replace("epochs: 5", "epochs: 2")
+    open(digits_job, "w").write(text)
+    run = tmp_path / "run"
+    p = _start(digits_job, run)
+    out, _ = p.communicate(timeout=300)
+    assert p.returncode == 0, out
+    events = Journal(str(run / "events.jsonl")).events()
+    assert any(e["event"] == "exported" for e in events), out
+    on_demand = tmp_path / "again"  # `orchestrator export RUN_DIR` does the same on demand
+    rc = subprocess.call([sys.executable, "-m", "orchestrator", "export", str(run), "--out",
+                          str(on_demand)], cwd=ROOT)
+    assert rc == 0 and (on_demand / "export.json").is_file()
+
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    sys.path.insert(0, str(tmp_path))
+    import digits_job as job
+
+    from orchestrator import state, tiers
+    from orchestrator.spec import load
+
+    # the run's model: rebuilt by the job's factory, restored from the newest valid checkpoint
+    spec = load(digits_job, run_dir=str(run))
+    ref = job.build_model()
+    ref.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    ref.optimizer.build(ref.trainable_variables)
+    state.restore(ref, state.load_arrays(tiers.for_spec(spec).latest_valid().path))
+    assert state.fingerprint(ref) == _fingerprint(events)
+    x = job.load_data()["validation"][0][:13]
+    want = ref.predict(x, verbose=0)
+
+    exp = run / "export"
+    facts = __import__("json").loads((exp / "export.json").read_text())
+    assert facts["weights_sha256"] == _fingerprint(events) and facts["epoch"] == 2
+    keras_model = keras.saving.load_model(str(exp / "model.keras"))
+    np.testing.assert_allclose(keras_model.predict(x, verbose=0), want, rtol=1e-5, atol=1e-6)
+    weights_only = job.build_model()
+    weights_only.load_weights(str(exp / "model.weights.h5"))
+    np.testing.assert_allclose(weights_only.predict(x, verbose=0), want, rtol=1e-5, atol=1e-6)
+    served = tf.saved_model.load(str(exp / "saved_model"))
+    for n in (1, 13):  # the batch dimension is free
+        got = served.serve(tf.constant(x[:n])).numpy()
+        np.testing.assert_allclose(got, want[:n], rtol=1e-5, atol=1e-6)

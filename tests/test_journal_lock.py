@@ -19,6 +19,30 @@ def test_journal_appends_and_skips_a_torn_line(tmp_path):
     assert [e["event"] for e in j.events("b")] == ["b"]
 
 
+def test_journal_holds_events_while_its_folder_fails_then_writes_them_in_order(tmp_path,
+                                                                              capsys):
+    import errno
+
+    from drivefaults import DriveFaults
+    from orchestrator.heartbeat import HeartbeatWriter
+
+    (tmp_path / "run").mkdir()
+    j = Journal(str(tmp_path / "run" / "events.jsonl"))
+    beat = HeartbeatWriter(str(tmp_path / "run"), attempt=1, interval=0)
+    j.append("a")
+    with DriveFaults(str(tmp_path / "run")) as drive:
+        drive.down(errno.ENOTCONN)  # Drive, holding the whole run dir, is gone
+        j.append("b")
+        j.append("c")
+        assert not beat.beat(force=True) and beat.last_error.errno == errno.ENOTCONN
+        assert [json.loads(x)["event"] for x in j.held] == ["b", "c"]
+    assert "Transport endpoint is not connected" in capsys.readouterr().err
+    assert [e["event"] for e in j.events()] == ["a"]
+    j.append("d")
+    assert [e["event"] for e in j.events()] == ["a", "b", "c", "d"] and not j.held
+    assert beat.beat(force=True)
+
+
 def test_journal_of_missing_file_is_empty(tmp_path):
     assert Journal(str(tmp_path / "none.jsonl")).events() == []
 

@@ -182,3 +182,50 @@ def test_exact_resume_key_errors(write_job, extra, line, key, expected):
 def test_checkpoint_every_steps_must_be_positive(write_job):
     with pytest.raises(SpecError, match=r"key 'checkpoint.every_steps': expected an integer >= 1"):
         load(write_job(VALID.replace("keep: 4}", "keep: 4, every_steps: 0}")))
+
+
+TIERS = VALID.replace("checkpoint: {every_epochs: 2, keep: 4}", """checkpoint:
+  keep: 2
+  keep_every_epochs: 5
+  keep_best: {metric: val_accuracy, mode: max}
+  local_dir: ~/fast/ckpt
+  remount: colab
+  flush_timeout: 30
+  upload_backoff: {initial: 0.5, max: 8}""")
+
+
+def test_checkpoint_tiers_and_retention_keys(write_job, tmp_path):
+    s = load(write_job(TIERS), run_dir=str(tmp_path / "r"))
+    c = s.checkpoint
+    assert c.local_dir == os.path.expanduser("~/fast/ckpt") and c.remount == "colab"
+    assert (c.flush_timeout, c.upload_backoff_initial, c.upload_backoff_max) == (30, 0.5, 8)
+    r = c.retention
+    assert (r.keep, r.every_epochs, r.best_metric, r.best_mode) == (2, 5, "val_accuracy", "max")
+
+
+def test_default_local_tier_is_per_run_and_stable(write_job, tmp_path):
+    import tempfile
+
+    a = load(write_job(VALID), run_dir=str(tmp_path / "r1")).checkpoint.local_dir
+    assert a == load(write_job(VALID), run_dir=str(tmp_path / "r1")).checkpoint.local_dir
+    assert a != load(write_job(VALID), run_dir=str(tmp_path / "r2")).checkpoint.local_dir
+    assert a.startswith(os.path.join(tempfile.gettempdir(), "orchestrator", "demo-"))
+
+
+@pytest.mark.parametrize("old, new, key, expected", [
+    ("mode: max", "mode: biggest", "checkpoint.keep_best.mode", "expected one of min, max"),
+    ("{metric: val_accuracy, mode: max}", "val_accuracy", "checkpoint.keep_best",
+     "expected a mapping"),
+    ("remount: colab", "remount: drive", "checkpoint.remount", "expected 'colab' or 'module:"),
+    ("keep_every_epochs: 5", "keep_every_epochs: 0", "checkpoint.keep_every_epochs",
+     "expected an integer >= 1"),
+    ("local_dir: ~/fast/ckpt", "local_dir: RUN/checkpoints", "checkpoint.local_dir",
+     "the durable tier"),
+    ("flush_timeout: 30", "flush_timeout: later", "checkpoint.flush_timeout", "expected a number"),
+])
+def test_checkpoint_key_errors(write_job, tmp_path, old, new, key, expected):
+    path = write_job(TIERS.replace(old, new.replace("RUN", str(tmp_path / "r"))))
+    with pytest.raises(SpecError) as e:
+        load(path, run_dir=str(tmp_path / "r"))
+    assert f"key '{key}'" in str(e.value) and expected in str(e.value), str(e.value)
+    assert str(e.value).startswith(f"{path}:")

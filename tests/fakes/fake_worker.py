@@ -27,7 +27,7 @@ import sys
 import time
 import traceback
 
-from orchestrator.checkpoints import CheckpointStore
+from orchestrator import tiers
 from orchestrator.faults import Injector
 from orchestrator.heartbeat import HeartbeatWriter, Progress, register_stack_dump
 from orchestrator.journal import Journal
@@ -91,8 +91,12 @@ def train(spec, rd, attempt, plan, progress):
     heart = HeartbeatWriter(rd.root, attempt, interval=0.0)
     heart.beat(phase="starting")
     injector = Injector.from_env(rd.root, attempt, journal)
-    store = injector.wrap_store(CheckpointStore(rd.checkpoints))
-    latest = store.latest_valid()
+    store = injector.wrap_store(tiers.for_spec(spec))
+    skipped = []
+    latest = store.latest_valid(on_skip=lambda c, why: skipped.append((c, why)))
+    for c, why in skipped:  # as the real worker does
+        journal.append("checkpoint_skipped", source="worker", attempt=attempt, step=c.step,
+                       path=c.path, reason=why)
     start = latest.epoch if latest else 0
     history = latest.manifest.get("history", []) if latest else []
     stop = plan.get("exit_at_epoch", {}).get(n)

@@ -1,0 +1,167 @@
+"""The supervisor with two tiers (fake workers): Drive outages, a kill mid-upload, corrupt
+checkpoints, retention, and the refusal of an incompatible resume."""
+import errno
+import io
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from conftest import ROOT, fake_env, fake_worker_cmd
+from drivefaults import DriveFaults
+from orchestrator import cli, tiers
+from orchestrator.journal import Journal
+from orchestrator.spec import load
+from orchestrator.status import format_status, run_status
+from orchestrator.supervisor import IncompatibleResume, Supervisor
+
+CKPT = "checkpoint: {keep: 2, keep_every_epochs: 3, upload_backoff: {initial: 0.02, max: 0.1}}"
+
+
+def _run(job, plan, **kw):
+    out = io.StringIO()
+    sup = Supervisor(load(job), worker_cmd=fake_worker_cmd, out=out, env=fake_env(plan), **kw)
+    rc = sup.run()
+    return rc, out.getvalue(), Journal(sup.rd.journal).events()
+
+
+def _count(events, kind):
+    return sum(e["event"] == kind for e in events)
+
+
+def _durable_steps(job):
+    store = tiers.for_spec(load(job))
+    return [c.step for c in store.durable.list() if store.durable.verify(c.path) is None]
+
+
+def _wait_for(path, kind, n=1, timeout=60):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if sum(1 for _ in Journal(path).iter(kind)) >= n:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"no {n} x {kind} within {timeout} s")
+
+
+def test_drive_down_mid_run_training_goes_on_and_everything_due_is_flushed(fake_job, tmp_path):
+    job = fake_job(epochs=9, extra=CKPT)
+    journal = str(tmp_path / "run" / "events.jsonl")
+    remounts = []
+    with DriveFaults(str(tmp_path / "run" / "checkpoints")) as drive:
+        def outage():
+            _wait_for(journal, "checkpoint_durable", 1)
+            drive.down(errno.ENOTCONN)
+            _wait_for(journal, "checkpoint_committed", 6)  # five epochs while Drive is gone
+            drive.up()
+
+        t = threading.Thread(target=outage, daemon=True)
+        t.start()
+        rc, out, events = _run(job, {"epoch_s": 0.1}, remount=remounts.append)
+        t.join(5)
+    assert rc == 0, out
+    assert [e["epoch"] for e in events if e["event"] == "epoch_completed"] == list(range(1, 10))
+    assert _count(events, "attempt_started") == 1  # the worker never noticed
+    assert _count(events, "durable_unreachable") == 1 and _count(events, "durable_restored") == 1
+    assert any(e["event"] == "durable_backlog" and len(e["steps"]) >= 2 for e in events)
+    assert remounts and remounts[0].endswith("checkpoints")
+    # everything retention keeps (last 2 + every 3rd epoch) is durable and verifies
+    assert _durable_steps(job) == [30, 60, 80, 90]
+    assert events[-1]["event"] == "run_completed" and events[-1]["durable_pending"] == []
+    assert "unreachable" in out and "is back" in out
+
+
+def test_run_end_waits_for_the_durable_copies_then_warns(fake_job, tmp_path):
+    job = fake_job(epochs=2, extra="checkpoint: {flush_timeout: 0.5, upload_backoff: "
+                                   "{initial: 0.05, max: 0.1}}")
+    with DriveFaults(str(tmp_path / "run" / "checkpoints")) as drive:
+        drive.down(errno.EIO)
+        rc, out, events = _run(job, {})
+        s = run_status(str(tmp_path / "run"))
+    assert rc == 0
+    assert events[-1]["event"] == "run_completed" and events[-1]["durable_pending"] == [20, 10]
+    assert "not durable after 0 s" in out and "Input/output error" in str(events)
+    assert s["durable_checkpoint"] is None and "Input/output error" in s["durable_error"]
+    assert s["last_checkpoint"]["step"] == 20  # the local tier has it
+    rc, out, events = _run(job, {})  # the same command again, Drive back: flushed
+    assert rc == 0 and _durable_steps(job) == [10, 20]
+    assert run_status(str(tmp_path / "run"))["durable_checkpoint"]["step"] == 20
+    assert "durable copy: epoch 2 (step 20)" in format_status(run_status(str(tmp_path / "run")))
+
+
+def test_supervisor_killed_during_a_durable_upload_leaves_nothing_half_done(fake_job, tmp_path):
+    job = fake_job(epochs=3, extra="checkpoint: {upload_backoff: {initial: 0.02, max: 0.1}}")
+    durable = tmp_path / "run" / "checkpoints"
+    code = ("import sys; sys.path.insert(0, %r); sys.path.insert(0, %r)\n"
+            "from conftest import fake_worker_cmd\n"
+            "from drivefaults import DriveFaults\n"
+            "from orchestrator.spec import load\n"
+            "from orchestrator.supervisor import Supervisor\n"
+            "with DriveFaults(%r) as d:\n"
+            "    d.delay = 0.3\n"
+            "    sys.exit(Supervisor(load(%r), worker_cmd=fake_worker_cmd).run())\n"
+            % (os.path.join(ROOT, "tests"), ROOT, str(durable), job))
+    p = subprocess.Popen([sys.executable, "-c", code], env=fake_env({}),
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 60
+    while time.time() < deadline and not (durable.is_dir() and any(
+            n.startswith(".tmp-") and os.listdir(durable / n) for n in os.listdir(durable))):
+        time.sleep(0.01)
+    p.send_signal(signal.SIGKILL)  # mid-copy: a partial durable directory is left behind
+    p.communicate()
+    assert any(n.startswith(".tmp-") for n in os.listdir(durable))
+    store = tiers.for_spec(load(job))
+    for c in store.durable.list():  # whatever is there under a final name verifies
+        assert store.durable.verify(c.path) is None
+    rc, out, events = _run(job, {})
+    assert rc == 0, out
+    assert not any(n.startswith(".tmp-") for n in os.listdir(durable))
+    assert _durable_steps(job) == [10, 20, 30]
+    assert [e["epoch"] for e in events if e["event"] == "epoch_completed"] == [1, 2, 3]
+
+
+def test_corrupt_newest_checkpoint_in_both_tiers_is_skipped_not_a_crash_loop(fake_job):
+    job = fake_job(epochs=2, extra="checkpoint: {keep: 5}")
+    rc, _, _ = _run(job, {})
+    assert rc == 0
+    store = tiers.for_spec(load(job))
+    for tier in (store.local, store.durable):
+        with open(os.path.join(tier.path_for(20), "state.npz"), "r+b") as f:
+            f.write(b"#")
+    rc, out, events = _run(fake_job(epochs=4, extra="checkpoint: {keep: 5}"), {})
+    assert rc == 0, out
+    skipped = [e for e in events if e["event"] == "checkpoint_skipped"]
+    assert {(e["step"], e["reason"]) for e in skipped} == {(20, "state.npz: checksum mismatch")}
+    assert len(skipped) == 2  # both copies, once, by the one attempt that then went on
+    started = [e for e in events if e["event"] == "attempt_started"]
+    assert [e["from_epoch"] for e in started] == [0, 1]  # the second run: from epoch 1
+    assert [e["epoch"] for e in events if e["event"] == "epoch_completed"] == [1, 2, 3, 4]
+    assert _durable_steps(job) == [10, 20, 30, 40]  # the corrupt copy was replaced
+
+
+def test_changed_model_data_or_optimizer_is_refused_unless_forced(fake_job, capsys):
+    job = fake_job(epochs=2)
+    assert _run(job, {})[0] == 0
+    text = open(job).read()
+    with open(job, "w") as f:
+        f.write(text.replace("batch_size: 8", "batch_size: 16"))
+    with pytest.raises(IncompatibleResume, match="batch_size changed since it was created"):
+        Supervisor(load(job), worker_cmd=fake_worker_cmd).run()
+    assert cli.main(["run", job]) == 2
+    err = capsys.readouterr().err
+    assert "cannot resume the run" in err and "--force" in err and "Traceback" not in err
+    rc, out, events = _run(job, {}, force=True)
+    assert rc == 0 and "resuming despite changed batch_size (--force)" in out
+    forced = [e for e in events if e["event"] == "resume_forced"]
+    assert len(forced) == 1 and forced[0]["changed"] == ["batch_size"]
+    assert _run(job, {})[0] == 0  # the forced hash is now the run's own
+
+
+def test_changing_epochs_or_restarts_resumes_without_force(fake_job):
+    assert _run(fake_job(epochs=2), {})[0] == 0
+    rc, out, events = _run(fake_job(epochs=3, restarts="{max: 5}"), {})
+    assert rc == 0, out
+    assert [e["epoch"] for e in events if e["event"] == "epoch_completed"] == [1, 2, 3]
