@@ -28,6 +28,8 @@ import time
 from dataclasses import dataclass
 
 from . import failures
+from .checkpoints import COMMIT_MARKER
+from .tiers import DURABLE_MARKER
 from .osutil import read_json, write_json_atomic
 
 ENV = "ORCHESTRATOR_FAULTS"
@@ -217,7 +219,7 @@ class _FaultyStore:
 def corrupt_payload(path: str) -> str | None:
     """Flip bytes in the middle of the first payload file of a checkpoint directory."""
     for name in sorted(os.listdir(path)):
-        if name == "manifest.json":
+        if name in ("manifest.json", COMMIT_MARKER, DURABLE_MARKER):
             continue
         p = os.path.join(path, name)
         size = os.path.getsize(p)

@@ -84,12 +84,15 @@ def test_run_end_waits_for_the_durable_copies_then_warns(fake_job, tmp_path):
     assert rc == 0
     assert events[-1]["event"] == "run_completed" and events[-1]["durable_pending"] == [20, 10]
     assert "not durable after 0 s" in out and "Input/output error" in str(events)
-    assert s["durable_checkpoint"] is None and "Input/output error" in s["durable_error"]
-    assert s["last_checkpoint"]["step"] == 20  # the local tier has it
+    assert s["checkpoints_by_tier"]["run_dir"] is None
+    assert "Input/output error" in s["durable_error"]
+    assert s["checkpoints_by_tier"]["local"]["step"] == 20  # the local tier has it
+    assert s["last_checkpoint"]["step"] == 20
     rc, out, events = _run(job, {})  # the same command again, Drive back: flushed
     assert rc == 0 and _durable_steps(job) == [10, 20]
-    assert run_status(str(tmp_path / "run"))["durable_checkpoint"]["step"] == 20
-    assert "durable copy: epoch 2 (step 20)" in format_status(run_status(str(tmp_path / "run")))
+    s = run_status(str(tmp_path / "run"))
+    assert s["checkpoints_by_tier"]["run_dir"]["step"] == 20 and s["durable_error"] is None
+    assert "last checkpoint (run_dir): epoch 2, step 20" in format_status(s)
 
 
 def test_supervisor_killed_during_a_durable_upload_leaves_nothing_half_done(fake_job, tmp_path):

@@ -3,9 +3,11 @@ the classification, the action taken, the journal, and that the run completes or
 import io
 import json
 import os
+import shutil
 import stat
 
 from conftest import fake_env, fake_worker_cmd
+from orchestrator import tiers
 from orchestrator.journal import Journal
 from orchestrator.osutil import pid_alive
 from orchestrator.spec import load
@@ -181,10 +183,8 @@ def test_out_of_memory_halves_the_batch_when_allowed_and_it_sticks(fake_job, tmp
     # without the opt-in: one restart, then give up with a report
     job = fake_job(epochs=2, restarts=FAST)
     (tmp_path / "run" / "events.jsonl").unlink()
-    for c in (tmp_path / "run" / "checkpoints").iterdir():
-        for f in c.iterdir():
-            f.unlink()
-        c.rmdir()
+    shutil.rmtree(tmp_path / "run" / "checkpoints")  # both tiers: a fresh run
+    shutil.rmtree(tiers.for_spec(load(job)).local.root)
     rc, out, events = _run(job, {"error": {"1": oom, "2": oom}})
     assert rc == 1
     assert _actions(events) == ["restart", "give_up"]
