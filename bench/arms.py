@@ -195,6 +195,7 @@ def run_orchestrator(job: str, run_dir: str, plan: KillPlan | None = None,
         "rc": fin.rc, "timed_out": fin.timed_out, "wall_s": fin.wall_s, "useful_s": useful,
         "train_s": useful if len(ended) == 1 else None,  # no faults: first step to last commit
         "fingerprint": breakdown.final_fingerprint(events),
+        "export_s": breakdown.export_time(events),
         "startup": breakdown.orchestrator_startup(events, fin.launched),
         "supervisor": {"peak_rss_mb": fin.footprint.peak_rss_mb, "cpu_s": fin.footprint.cpu_s},
         "worker_peak_rss_mb": _peak(watch.child_fp),

@@ -164,6 +164,13 @@ def baseline_useful(lines: list[dict]) -> float:
     return round(total, 3)
 
 
+def export_time(events: list[dict]) -> float | None:
+    """Seconds from ``run_completed`` to ``exported`` (the model written for inference)."""
+    done = next((e["ts"] for e in events if e["event"] == "run_completed"), None)
+    exp = next((e["ts"] for e in events if e["event"] == "exported"), None)
+    return None if done is None or exp is None else round(exp - done, 3)
+
+
 def final_fingerprint(events: list[dict]) -> str | None:
     return next((e.get("weights_sha256") for e in reversed(events)
                  if e["event"] == "run_completed"), None)

@@ -157,3 +157,9 @@ def test_benchmarks_md_keeps_the_prose_around_the_generated_part(tmp_path):
     report.update_benchmarks(str(p), "new table")
     text = p.read_text()
     assert "intro" in text and "notes" in text and "new table" in text and "old" not in text
+
+
+def test_export_time_is_run_completed_to_exported(journal):
+    assert breakdown.export_time(journal) is None
+    done = journal + [{"ts": 1017.3, "event": "exported", "path": "export", "step": 40}]
+    assert breakdown.export_time(done) == pytest.approx(4.8)
