@@ -165,10 +165,10 @@ def baseline_useful(lines: list[dict]) -> float:
 
 
 def export_time(events: list[dict]) -> float | None:
-    """Seconds from ``run_completed`` to ``exported`` (the model written for inference)."""
-    done = next((e["ts"] for e in events if e["event"] == "run_completed"), None)
-    exp = next((e["ts"] for e in events if e["event"] == "exported"), None)
-    return None if done is None or exp is None else round(exp - done, 3)
+    """Seconds spent writing the model for inference at the end of the run: the ``exported``
+    event's own measure (the last worker's export, or the supervisor's exporter process)."""
+    exp = next((e for e in events if e["event"] == "exported"), None)
+    return None if exp is None or exp.get("seconds") is None else round(exp["seconds"], 3)
 
 
 def final_fingerprint(events: list[dict]) -> str | None:

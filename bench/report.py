@@ -194,7 +194,7 @@ def markdown(results: dict) -> str:
                          "wall: orch / fit", "training: orch / fit+B&R",
                          "training: orch / fit"], rows))
     out += ["", "Wall = launch to exit of the command; the orchestrator's includes writing the "
-            "model for inference after the run (`export/`, in a process of its own), which "
+            "model for inference at the end of the run (`export/`, by the last worker), which "
             "the plain scripts do not do. Training = first step to the last "
             "epoch's end (the orchestrator: its last checkpoint's commit), i.e. without "
             "start-up. Same data, epochs, batch and seed; the plain script shuffles with "

@@ -43,6 +43,11 @@ class Checkpoint:
         """Epochs completed when this checkpoint was taken."""
         return int(self.manifest.get("epoch", 0))
 
+    def ends_run(self, epochs: int) -> bool:
+        """The run is complete at this checkpoint: the last epoch is done, or the job's
+        callbacks ended training (EarlyStopping)."""
+        return self.epoch >= epochs or bool(self.manifest.get("stopped_early"))
+
 
 @dataclass(frozen=True)
 class Retention:

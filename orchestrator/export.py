@@ -1,9 +1,11 @@
 """Export a run's model for inference: ``python -m orchestrator.export RUN_DIR [--out DIR]``.
 
-Worker side (imports TensorFlow), run as its own process by the supervisor at the end of a run
-and by ``orchestrator export``. It builds the job's model with no distribution strategy on the
-CPU, restores the newest checkpoint that verifies (either tier), checks its weights fingerprint
-against the manifest, and writes, under a temporary name then renamed into place:
+Worker side (imports TensorFlow). At the end of a run the worker exports the model it trained
+(one replica, not a TPU: see ``worker._export_at_end``); otherwise, or when that failed, the
+supervisor runs this module as its own process, as ``orchestrator export`` does. That builds
+the job's model with no distribution strategy on the CPU and restores the newest checkpoint
+that verifies (either tier). Either way the weights fingerprint is checked against the
+checkpoint's manifest, and the files are written under a temporary name then renamed into place:
 ``model.keras`` (architecture + weights + optimizer), ``model.weights.h5`` (weights only, for
 the job's own ``build_model``), ``saved_model/`` (Keras ``model.export``: a standalone
 SavedModel with a ``serve`` endpoint whose batch dimension is free) and ``export.json``.
@@ -45,7 +47,6 @@ def export(run_dir: str, out: str | None = None) -> dict:
     from .worker import _call_factory, _compile, _import_tensorflow
 
     _import_tensorflow()
-    import keras
 
     model = _call_factory(spec, "model")
     _compile(model, spec)
@@ -54,12 +55,25 @@ def export(run_dir: str, out: str | None = None) -> dict:
         model(datasets.sample_batch(data, 2))
     model.optimizer.build(model.trainable_variables)
     state.restore(model, state.load_arrays(latest.path))
-    fp = state.fingerprint(model)
-    if latest.manifest.get("weights_sha256") not in (None, fp):
-        raise ExportError(f"{latest.path}: restored weights do not match the manifest's "
-                          f"fingerprint; refusing to export them")
+    return write(model, spec, latest, out or rd.export)
 
-    final = os.path.abspath(out or rd.export)
+
+def write(model, spec, checkpoint, out: str) -> dict:
+    """Write ``model`` (restored from, or trained to, ``checkpoint``) for inference into ``out``.
+
+    Refuses a model whose weights are not the checkpoint's (by the manifest's fingerprint): the
+    export must be exactly what the run committed. The worker calls this at the end of a run with
+    the model it trained, which saves the separate process's TensorFlow import and model build.
+    """
+    import keras
+
+    from . import state
+
+    fp = state.fingerprint(model)
+    if checkpoint.manifest.get("weights_sha256") not in (None, fp):
+        raise ExportError(f"{checkpoint.path}: the model's weights do not match the manifest's "
+                          f"fingerprint; refusing to export them")
+    final = os.path.abspath(out)
     tmp = f"{final}.tmp-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     os.makedirs(tmp)
     try:
@@ -67,8 +81,8 @@ def export(run_dir: str, out: str | None = None) -> dict:
         model.save_weights(os.path.join(tmp, "model.weights.h5"))
         model.export(os.path.join(tmp, "saved_model"), format="tf_saved_model", verbose=False)
         facts = {
-            "run": spec.name, "step": latest.step, "epoch": latest.epoch,
-            "checkpoint": latest.path, "weights_sha256": fp,
+            "run": spec.name, "step": checkpoint.step, "epoch": checkpoint.epoch,
+            "checkpoint": checkpoint.path, "weights_sha256": fp,
             "training_hash": spec.training_hash(), "exported_at": round(time.time(), 3),
             "keras": keras.__version__,
             "inputs": [{"shape": list(t.shape), "dtype": str(t.dtype)} for t in model.inputs],

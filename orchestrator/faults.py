@@ -11,6 +11,8 @@
     storage-down@step=N,for=S    from step N, the checkpoint store fails (ENOTCONN) for S s
     kill@checkpoint=N      SIGKILL in the middle of the run's Nth checkpoint commit: payload
                            written, not yet renamed into place
+    kill@export=1          SIGKILL as the worker starts writing the export at the end of the
+                           run (after the last checkpoint)
 
 Each fault fires once per run, not once per attempt: before firing, it is claimed durably in
 ``<run>/faults/`` (O_EXCL) and journaled as ``fault_injected``. Parsing never imports TensorFlow;
@@ -34,9 +36,9 @@ from .osutil import read_json, write_json_atomic
 
 ENV = "ORCHESTRATOR_FAULTS"
 _SPEC = re.compile(r"^(?P<what>kill|hang|raise|exit|corrupt-checkpoint|storage-down)"
-                   r"(?:=(?P<arg>[\w-]+))?@(?P<at>step|epoch|checkpoint)=(?P<n>\d+)"
+                   r"(?:=(?P<arg>[\w-]+))?@(?P<at>step|epoch|checkpoint|export)=(?P<n>\d+)"
                    r"(?:,for=(?P<for>\d+(?:\.\d+)?))?$")
-_ALLOWED_AT = {"kill": ("step", "checkpoint"), "hang": ("step",), "raise": ("step",),
+_ALLOWED_AT = {"kill": ("step", "checkpoint", "export"), "hang": ("step",), "raise": ("step",),
                "exit": ("step",), "corrupt-checkpoint": ("epoch",), "storage-down": ("step",)}
 
 
@@ -61,7 +63,8 @@ class Fault:
 def parse(text: str) -> Fault:
     m = _SPEC.match(text.strip())
     usage = ("expected kill@step=N, hang@step=N, raise=KIND@step=N, exit=CODE@step=N, "
-             "corrupt-checkpoint@epoch=N, storage-down@step=N,for=SECONDS or kill@checkpoint=N")
+             "corrupt-checkpoint@epoch=N, storage-down@step=N,for=SECONDS, kill@checkpoint=N "
+             "or kill@export=1")
     if not m:
         raise FaultSpecError(f"--fault {text!r}: {usage}")
     what, arg, at = m["what"], m["arg"], m["at"]
@@ -116,6 +119,12 @@ class Injector:
         """Call after each training step with the global step reached."""
         for f in self.faults:
             if f.at == "step" and step >= f.n and self._claim(f, step=step):
+                self._fire(f)
+
+    def at_export(self) -> None:
+        """Call as the worker starts the export at the end of the run."""
+        for f in self.faults:
+            if f.at == "export" and self._claim(f):
                 self._fire(f)
 
     def after_commit(self, checkpoint) -> None:

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import faulthandler
 import os
+import contextlib
 import signal
 import sys
+import threading
 import time
 
 from .osutil import read_json, write_json_atomic
@@ -56,6 +58,25 @@ class HeartbeatWriter:
             self.last_error = exc
             return False
         return True
+
+    @contextlib.contextmanager
+    def beating(self, **where):
+        """Beat every interval from a thread while a long step with no callbacks runs (the
+        export at the end of a run), so that it is not taken for a hang."""
+        stop = threading.Event()
+
+        def loop():
+            while not stop.is_set():
+                self.beat(force=True, **where)
+                stop.wait(self.interval)
+
+        t = threading.Thread(target=loop, name="heartbeat", daemon=True)
+        t.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            t.join()
 
 
 def read(run_dir: str) -> dict | None:

@@ -332,7 +332,9 @@ class Supervisor:
         error = read_json(self.rd.error_record(n))
         if error is not None and error.get("attempt") != n:
             error = None
-        completed = rc == 0 and self._completed()
+        # the last checkpoint is committed: a death after it (in the export, or a crash in
+        # TensorFlow's teardown) loses nothing and needs no restart
+        completed = self._completed()
         diagnosis = None
         if not completed:
             if rc == 0:
@@ -469,7 +471,7 @@ class Supervisor:
     def _completed(self) -> bool:
         """The last epoch is done, or the job's callbacks ended training (EarlyStopping)."""
         c = self.store.latest_valid()
-        return c is not None and (c.epoch >= self.spec.epochs or c.manifest.get("stopped_early"))
+        return c is not None and c.ends_run(self.spec.epochs)
 
     def _finish(self) -> int:
         final = self.store.latest_valid()
@@ -499,11 +501,13 @@ class Supervisor:
         return pending
 
     def _export(self, final) -> None:
-        """Export the final model for inference in a separate process (it imports TF)."""
+        """Export the final model for inference in a separate process (it imports TF), unless
+        the last worker exported these weights already."""
         if self.export_cmd is None or final is None:
             return
         done = read_json(os.path.join(self.rd.export, "export.json")) or {}
         if done.get("weights_sha256") == final.manifest.get("weights_sha256"):
+            self.say(f"the model for inference is in {self.rd.export}")
             return
         log = os.path.join(self.rd.attempts, "export.log")
         t0 = time.time()

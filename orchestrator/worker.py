@@ -298,7 +298,34 @@ def train(spec: JobSpec, rd: RunDir, attempt: int, progress, t_start: float,
         if model.stop_training:
             break
     training.finish()
+    if replicas == 1 and not is_tpu:
+        _export_at_end(spec, rd, store, model, journal, heart, attempt, injector)
     return {"epochs": progress.epoch, "fingerprint": state.fingerprint(model)}
+
+
+def _export_at_end(spec: JobSpec, rd: RunDir, store, model, journal, heart, attempt,
+                   injector) -> None:
+    """Export the model just trained when the run is complete, saving the exporter process's
+    TensorFlow import and model build (seconds, at the end of every run). Only for one replica
+    off a TPU, where the trained model is the plain model; otherwise, and when this fails, the
+    supervisor runs the exporter process (it sees no export of the final weights)."""
+    from . import export
+
+    final = store.latest_valid()
+    if final is None or not final.ends_run(spec.epochs):
+        return
+    injector.at_export()
+    t0 = time.time()
+    try:
+        with heart.beating(phase="exporting", epoch=final.epoch, step=final.step):
+            export.write(model, spec, final, rd.export)
+    except Exception as exc:  # noqa: BLE001 - the run is done; the supervisor's exporter retries
+        print(f"[worker] export failed, the supervisor will retry it in its own process: "
+              f"{type(exc).__name__}: {exc}", flush=True)
+        journal.append("export_failed", source="worker", attempt=attempt, error=str(exc))
+        return
+    journal.append("exported", source="worker", attempt=attempt, path=rd.export,
+                   step=final.step, seconds=round(time.time() - t0, 3))
 
 
 def write_error_record(rd: RunDir, attempt: int, exc: BaseException, progress,

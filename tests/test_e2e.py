@@ -304,7 +304,8 @@ def test_export_formats_load_on_cpu_and_predict_as_the_run_s_model(digits_job, t
     out, _ = p.communicate(timeout=300)
     assert p.returncode == 0, out
     events = Journal(str(run / "events.jsonl")).events()
-    assert any(e["event"] == "exported" for e in events), out
+    exported = [e for e in events if e["event"] == "exported"]
+    assert [e.get("source") for e in exported] == ["worker"], out  # the last worker, in-process
     final_sha = next(e["weights_sha256"] for e in events if e["event"] == "run_completed")
     on_demand = tmp_path / "again"  # `orchestrator export RUN_DIR` does the same on demand
     rc = subprocess.call([sys.executable, "-m", "orchestrator", "export", str(run), "--out",
@@ -343,3 +344,25 @@ def test_export_formats_load_on_cpu_and_predict_as_the_run_s_model(digits_job, t
     for n in (1, 13):  # the batch dimension is free
         got = served.serve(tf.constant(x[:n])).numpy()
         np.testing.assert_allclose(got, want[:n], rtol=1e-5, atol=1e-6)
+
+
+def test_a_worker_killed_while_exporting_costs_no_restart_and_the_supervisor_exports(
+        digits_job, tmp_path):
+    text = open(digits_job).read().replace("epochs: 5", "epochs: 1")
+    open(digits_job, "w").write(text)
+    run = tmp_path / "run"
+    p = subprocess.run([sys.executable, "-m", "orchestrator", "run", digits_job, "--run-dir",
+                        str(run), "--fault", "kill@export=1"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    events = Journal(str(run / "events.jsonl")).events()
+    names = [e["event"] for e in events]
+    assert "fault_injected" in names and names.count("attempt_started") == 1, names
+    ended = next(e for e in events if e["event"] == "attempt_ended")
+    assert ended["signal"] == "SIGKILL" and ended["kind"] is None  # not a failure: done
+    assert "restart" not in names and "recovery" not in names
+    exported = [e for e in events if e["event"] == "exported"]
+    assert len(exported) == 1 and "source" not in exported[0]  # the supervisor's exporter
+    final_sha = next(e["weights_sha256"] for e in events if e["event"] == "run_completed")
+    facts = __import__("json").loads((run / "export" / "export.json").read_text())
+    assert facts["weights_sha256"] == final_sha and facts["epoch"] == 1

@@ -21,6 +21,7 @@ from orchestrator.journal import Journal
     ("corrupt-checkpoint@epoch=2", "corrupt-checkpoint", None, "epoch", 2, None),
     ("storage-down@step=4,for=2.5", "storage-down", None, "step", 4, 2.5),
     ("kill@checkpoint=3", "kill", None, "checkpoint", 3, None),
+    ("kill@export=1", "kill", None, "export", 1, None),
 ])
 def test_fault_specs_parse(text, what, arg, at, n, dur):
     f = faults.parse(text)
@@ -33,6 +34,7 @@ def test_fault_specs_parse(text, what, arg, at, n, dur):
     ("raise=nonsense@step=2", "KIND one of"),
     ("exit=x@step=1", "exit=CODE needs an integer"),
     ("hang@epoch=1", "hang fires @step=N"),
+    ("raise=out_of_memory@export=1", "raise fires @step=N"),
     ("storage-down@step=3", "storage-down needs it"),
     ("kill@step=3,for=2", "goes with storage-down only"),
 ])
