@@ -99,7 +99,21 @@ def train_dataset(data: JobData, seed: int, start_epoch: int, end_epoch: int, gl
     ds = tf.data.Dataset.range(start_epoch, end_epoch).flat_map(epoch)
     if skip_batches:
         ds = ds.skip(skip_batches)
-    return ds.prefetch(tf.data.AUTOTUNE)
+    if isinstance(data.train, tf.data.Dataset):
+        return ds.prefetch(tf.data.AUTOTUNE)  # the job's pipeline: its own tuning
+    return _in_memory(ds.prefetch(2))
+
+
+def _in_memory(ds):
+    """No tf.data autotuning for batches gathered from tensors in memory: it has nothing to
+    tune, and its model thread, when the iterator is deleted at the end of ``fit``, was measured
+    here to hold the main thread for up to 20 s (in ~RootDataset::Iterator) before the last
+    checkpoint could be committed."""
+    import tensorflow as tf
+
+    options = tf.data.Options()
+    options.autotune.enabled = False
+    return ds.with_options(options)
 
 
 def validation_dataset(data: JobData, global_batch: int, drop_remainder: bool):
@@ -109,7 +123,8 @@ def validation_dataset(data: JobData, global_batch: int, drop_remainder: bool):
         return None
     if isinstance(data.validation, tf.data.Dataset):
         return data.validation.batch(global_batch, drop_remainder)
-    return tf.data.Dataset.from_tensor_slices(data.validation).batch(global_batch, drop_remainder)
+    return _in_memory(tf.data.Dataset.from_tensor_slices(data.validation)
+                      .batch(global_batch, drop_remainder))
 
 
 def sample_batch(data: JobData, size: int):
