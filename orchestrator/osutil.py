@@ -51,6 +51,18 @@ def read_json(path: str):
         return None
 
 
+def is_missing(path: str) -> bool:
+    """``path`` does not exist, for sure: False when it exists *or* cannot be looked at (a
+    Drive mount that is down answers ENOTCONN, which is no proof of absence)."""
+    try:
+        os.stat(path)
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    return False
+
+
 def sha256_file(path: str, chunk: int = 1 << 20) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:

@@ -39,7 +39,7 @@ from .hangs import HangClock, HeartbeatEvents, dump_stacks
 from .journal import Journal
 from .lock import RunLock
 from .mirror import DurableMirror, remount_hook
-from .osutil import pid_alive, read_json, write_json_atomic
+from .osutil import is_missing, pid_alive, read_json, write_json_atomic
 from .progress import Progress
 from .recovery import GIVE_UP, Decision, Failure, RecoveryPolicy
 from .remedies import Remedies
@@ -221,6 +221,8 @@ class Supervisor:
             self._kill_orphan(events)
         shutil.copyfile(self.spec.job_path, self.rd.job_copy)
         info = read_json(self.rd.run_info)
+        if info is None and not events and is_missing(self.rd.run_info):
+            self._set_aside_earlier_checkpoints()
         if info is None:
             write_json_atomic(self.rd.run_info, {"name": self.spec.name, "created": time.time(),
                                                  "job_path": self.spec.job_path,
@@ -241,6 +243,18 @@ class Supervisor:
         done = self._latest_epoch()
         self.say(f"{'resuming' if resumed else 'starting'} run '{self.spec.name}' in "
                  f"{self.rd.root} at epoch {done}/{self.spec.epochs}")
+
+    def _set_aside_earlier_checkpoints(self) -> None:
+        """A new run (no run.json, no journal) finds local checkpoints: an earlier run at this
+        run directory, since deleted, left them. Never resume from them; keep them aside."""
+        moved = tiers.set_aside_local(self.store)
+        if moved:
+            dest, n = moved
+            self.journal.append("local_checkpoints_set_aside", path=self.store.local.root,
+                                moved_to=dest, entries=n)
+            self.say(f"the local checkpoint folder {self.store.local.root} held {n} entr"
+                     f"{'y' if n == 1 else 'ies'} of an earlier run in this run directory (its "
+                     f"run.json is gone): moved to {dest}; this run starts from scratch")
 
     def _check_resume(self) -> None:
         """Refuse to resume under a changed model, data, compile, batch size or seed: the

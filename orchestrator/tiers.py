@@ -11,6 +11,7 @@ worker's code does not know there are two tiers. No TensorFlow here.
 from __future__ import annotations
 
 import os
+import time
 from typing import Callable
 
 from .checkpoints import Checkpoint, CheckpointStore, Retention, as_retention
@@ -104,6 +105,23 @@ class TieredStore:
                 if on_skip:
                     on_skip(c, reason)
         return None
+
+
+def set_aside_local(store: TieredStore) -> tuple[str, int] | None:
+    """Move the local tier's checkpoints out of the way (renamed, not deleted) when they belong
+    to an earlier run: the run directory was deleted and a new run starts at the same path, so
+    the same local folder. Resuming from them would continue a run the user threw away.
+    Returns (where they went, how many) or None when there was nothing."""
+    root = store.local.root
+    try:
+        entries = os.listdir(root)
+    except FileNotFoundError:
+        return None
+    if not entries:
+        return None
+    dest = f"{root}.earlier-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    os.rename(root, dest)
+    return dest, len(entries)
 
 
 def default_local_dir(name: str, run_dir: str) -> str:

@@ -151,3 +151,27 @@ def test_supervisor_side_never_imports_tensorflow():
             "print(bad); sys.exit(1 if bad else 0)")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert p.returncode == 0, p.stdout + p.stderr
+
+
+def test_a_new_run_where_a_deleted_one_was_does_not_resume_its_local_checkpoints(
+        fake_job, tmp_path):
+    import shutil
+
+    job = fake_job(epochs=2)
+    rc, _, first = _run(job, {})
+    assert rc == 0
+    local = first[-1]["checkpoint"].rsplit(os.sep, 1)[0]  # the local tier's folder
+    assert os.listdir(local)
+    rc, _, again = _run(job, {})  # the same run again: it is complete, nothing set aside
+    assert rc == 0 and "local_checkpoints_set_aside" not in [e["event"] for e in again]
+
+    shutil.rmtree(tmp_path / "run")  # the user throws the run away and starts anew
+    rc, out, events = _run(job, {})
+    assert rc == 0
+    aside = next(e for e in events if e["event"] == "local_checkpoints_set_aside")
+    assert aside["path"] == local  # kept, not deleted: the earlier final checkpoint is there
+    assert os.path.basename(first[-1]["checkpoint"]) in os.listdir(aside["moved_to"])
+    assert aside["entries"] == len(os.listdir(aside["moved_to"]))
+    started = [e for e in events if e["event"] == "attempt_started"]
+    assert [e["from_epoch"] for e in started] == [0]  # trained from scratch
+    assert _epochs(events) == [1, 2] and "starts from scratch" in out
