@@ -1,7 +1,7 @@
 """Export a run's model for inference: ``python -m orchestrator.export RUN_DIR [--out DIR]``.
 
 Worker side (imports TensorFlow). At the end of a run the worker exports the model it trained
-(one replica, not a TPU: see ``worker._export_at_end``); otherwise, or when that failed, the
+(on the CPU with no strategy: see ``worker._export_at_end``); otherwise, or when that failed, the
 supervisor runs this module as its own process, as ``orchestrator export`` does. That builds
 the job's model with no distribution strategy on the CPU and restores the newest checkpoint
 that verifies (either tier). Either way the weights fingerprint is checked against the

@@ -298,7 +298,7 @@ def train(spec: JobSpec, rd: RunDir, attempt: int, progress, t_start: float,
         if model.stop_training:
             break
     training.finish()
-    if replicas == 1 and not is_tpu:
+    if strategy is tf.distribute.get_strategy():  # the default strategy: the plain CPU model
         _export_at_end(spec, rd, store, model, journal, heart, attempt, injector)
     return {"epochs": progress.epoch, "fingerprint": state.fingerprint(model)}
 
@@ -306,9 +306,10 @@ def train(spec: JobSpec, rd: RunDir, attempt: int, progress, t_start: float,
 def _export_at_end(spec: JobSpec, rd: RunDir, store, model, journal, heart, attempt,
                    injector) -> None:
     """Export the model just trained when the run is complete, saving the exporter process's
-    TensorFlow import and model build (seconds, at the end of every run). Only for one replica
-    off a TPU, where the trained model is the plain model; otherwise, and when this fails, the
-    supervisor runs the exporter process (it sees no export of the final weights)."""
+    TensorFlow import and model build (seconds, at the end of every run). Only for a model
+    trained on the CPU with no distribution strategy, which is what the exporter process would
+    build; otherwise (TPU, GPU, replicas), and when this fails, the supervisor runs the
+    exporter process (it sees no export of the final weights)."""
     from . import export
 
     final = store.latest_valid()
