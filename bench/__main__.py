@@ -36,9 +36,9 @@ class Config:
     seed: int = 20261202
 
 
-FULL = Config("full", reps=3, digits_epochs=10, synth_examples=1152, synth_epochs=7,
+FULL = Config("full", reps=3, digits_epochs=10, synth_examples=768, synth_epochs=6,
               recovery_kills=3, fault_reps=3, goodput_reps=2, kill_every_s=15.0, kills=2,
-              hang_timeout_s=10.0)
+              hang_timeout_s=6.0)
 QUICK = Config("quick", reps=1, digits_epochs=4, synth_examples=384, synth_epochs=3,
                recovery_kills=1, fault_reps=1, goodput_reps=1, kill_every_s=12.0, kills=1,
                hang_timeout_s=5.0)
