@@ -10,8 +10,9 @@ carried out before the next attempt. The journal's epoch and checkpoint events a
 committed checkpoints of either tier (the worker commits to the local tier; the durable mirror,
 a thread of this process, copies them to the run directory), so each completed epoch is
 journaled exactly once whichever process dies. A run resumes only under the training hash it
-was created with, unless forced. At the end the durable backlog is flushed and the model is
-exported for inference by a separate process (TensorFlow).
+was created with, unless forced. At the end the durable backlog is flushed and, unless the
+last worker exported the final weights itself, the model is exported for inference by a
+separate process (TensorFlow).
 """
 from __future__ import annotations
 
