@@ -7,9 +7,9 @@ stack dump of every thread (``STACK_DUMP_SIGNAL``, faulthandler) into its attemp
 """
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
-import contextlib
 import signal
 import sys
 import threading
