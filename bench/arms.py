@@ -15,9 +15,10 @@ from dataclasses import dataclass, field
 
 import yaml
 
-from orchestrator import heartbeat, timeline
-from orchestrator.journal import Journal
-from orchestrator.osutil import read_json
+from orchestrator.core import heartbeat
+from orchestrator.ops import timeline
+from orchestrator.core.journal import Journal
+from orchestrator.core.osutil import read_json
 
 from . import breakdown, procs
 

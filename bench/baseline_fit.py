@@ -11,7 +11,7 @@ cannot mirror (job callbacks, time-based checkpoints) is refused rather than sil
 Bench instrumentation, kept apart: ``--events FILE`` appends one JSON line at start, after the
 TensorFlow import, after the model is built, when training begins (after the backup's restore),
 at the first step, about once a second with the epoch and batch reached, at each epoch end, and
-at the end with the weights' fingerprint (``orchestrator.checkpoints.weights_fingerprint``, the
+at the end with the weights' fingerprint (``orchestrator.checkpoint.store.weights_fingerprint``, the
 function the orchestrator's manifests use).
 """
 import argparse
@@ -43,9 +43,9 @@ def factory(spec, job_dir):
 
 def learning_rate_schedule(job_path, base_lr):
     """The job's schedule as the ``(epoch, lr) -> lr`` a LearningRateScheduler takes: the
-    orchestrator's own formulas (``orchestrator.schedules``), so both arms use the same rates."""
-    from orchestrator import schedules
-    from orchestrator.spec import load
+    orchestrator's own formulas (``orchestrator.train.schedules``), so both arms use the same rates."""
+    from orchestrator.train import schedules
+    from orchestrator.core.spec import load
 
     spec = load(job_path)
     if spec.learning_rate is None:
@@ -106,7 +106,7 @@ def main():
     model.fit(x, y, batch_size=batch, epochs=epochs, validation_data=data.get("validation"),
               shuffle=True, callbacks=callbacks, verbose=2)
 
-    from orchestrator.checkpoints import weights_fingerprint
+    from orchestrator.checkpoint.store import weights_fingerprint
     import numpy as np
 
     emit("end", weights_sha256=weights_fingerprint(np.asarray(w.numpy()) for w in model.weights))

@@ -153,7 +153,7 @@ def steps_redone(kills: list[dict]) -> int:
 
 
 def baseline_useful(lines: list[dict]) -> float:
-    """The plain script's useful time, by the rule of ``orchestrator.timeline.account``: per
+    """The plain script's useful time, by the rule of ``orchestrator.ops.timeline.account``: per
     process, from its first step to its last saved epoch (training whose result was kept)."""
     total = 0.0
     for _, evs in _by_pid(lines):

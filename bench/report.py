@@ -134,7 +134,7 @@ def _largest(recovery: dict) -> dict:
 
 
 def _goodput(results: dict) -> dict:
-    """Goodput = useful / wall per run (useful: ``orchestrator.timeline``'s rule, both arms)."""
+    """Goodput = useful / wall per run (useful: ``orchestrator.ops.timeline``'s rule, both arms)."""
     synth = results["overhead"].get("synthetic", {})
     no_faults = {"orchestrator": ("orchestrator",),
                  "restart_loop": ("keras_fit_backup", "keras_fit")}
@@ -234,7 +234,7 @@ def markdown(results: dict) -> str:
             f"Kills at {', '.join(str(t) for t in g['schedule_s'])} s after launch (seed "
             f"{cfg['seed']}), of the training process (the worker; the loop's Python child). "
             f"Useful time = training whose result was kept: per process, first step to its "
-            f"last checkpoint (the rule of `orchestrator status`, `orchestrator.timeline`; for "
+            f"last checkpoint (the rule of `orchestrator status`, `orchestrator.ops.timeline`; for "
             f"the loop, to its last BackupAndRestore save). Goodput = useful / wall, wall = "
             f"launch to exit. Reference weights: the same arm's uninterrupted runs.", ""]
     rows = []

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import signal
 
-from .rundir import EXIT_STOPPED
-from .spec import load
-from .supervisor import Supervisor
+from orchestrator.core.rundir import EXIT_STOPPED
+from orchestrator.core.spec import load
+from orchestrator.supervise.supervisor import Supervisor
 
 
 def run(job: str, run_dir: str | None = None, raise_on_interrupt: bool = True,
@@ -20,7 +20,7 @@ def run(job: str, run_dir: str | None = None, raise_on_interrupt: bool = True,
 
     With ``raise_on_interrupt`` (the notebook's default), a SIGINT (cell interrupt, Ctrl-C)
     raises KeyboardInterrupt once the worker is stopped; otherwise it returns 130.
-    ``faults``: fault specs to inject (see orchestrator.faults), each fired once per run.
+    ``faults``: fault specs to inject (see orchestrator.recovery.faults), each fired once per run.
     ``force`` resumes even though the model, data or optimizer changed; ``remount(dir)`` is
     called when the durable checkpoint folder's mount is lost (overrides checkpoint.remount).
     """

@@ -5,17 +5,17 @@ import argparse
 import json
 import sys
 
-from .lock import LockedError
-from .spec import SpecError
-from .supervisor import IncompatibleResume
+from orchestrator.core.lock import LockedError
+from orchestrator.core.spec import SpecError
+from orchestrator.supervise.supervisor import IncompatibleResume
 
 EXIT_USAGE = 2
 EXIT_LOCKED = 3
 
 
 def _cmd_run(args) -> int:
-    from .api import run
-    from .faults import FaultSpecError, parse
+    from orchestrator.api import run
+    from orchestrator.recovery.faults import FaultSpecError, parse
 
     try:
         faults = [parse(f).text for f in args.fault]
@@ -27,8 +27,8 @@ def _cmd_run(args) -> int:
 
 
 def _cmd_diagnose(args) -> int:
-    from .diagnose import diagnose
-    from .spec import load
+    from orchestrator.ops.diagnose import diagnose
+    from orchestrator.core.spec import load
 
     try:
         if args.file == "-":
@@ -52,14 +52,14 @@ def _cmd_export(args) -> int:
     if not os.path.isfile(os.path.join(args.run_dir, "run.json")):
         print(f"orchestrator: {args.run_dir}: not a run directory (no run.json)", file=sys.stderr)
         return EXIT_USAGE
-    cmd = [sys.executable, "-m", "orchestrator.export", args.run_dir]
+    cmd = [sys.executable, "-m", "orchestrator.train.export", args.run_dir]
     if args.out:
         cmd += ["--out", args.out]
     return subprocess.call(cmd)
 
 
 def _cmd_status(args) -> int:
-    from .status import format_status, run_status
+    from orchestrator.ops.status import format_status, run_status
 
     try:
         s = run_status(args.run_dir)
@@ -71,7 +71,7 @@ def _cmd_status(args) -> int:
 
 
 def _cmd_report(args) -> int:
-    from .report import ReportUnavailable, write_report
+    from orchestrator.ops.report import ReportUnavailable, write_report
 
     try:
         paths = write_report(args.run_dir, args.out)
@@ -89,7 +89,7 @@ def _cmd_report(args) -> int:
 
 
 def _cmd_doctor(args) -> int:
-    from . import doctor
+    from orchestrator.ops import doctor
 
     checks = doctor.run(args.job, args.run_dir, run_probe=not args.no_probe)
     print(doctor.as_json(checks) if args.json else doctor.format_checks(checks))

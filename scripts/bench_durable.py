@@ -23,10 +23,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [os.path.join(ROOT, "tests"), ROOT]
 
 from drivefaults import DriveFaults  # noqa: E402
-from orchestrator import tiers  # noqa: E402
-from orchestrator.journal import Journal  # noqa: E402
-from orchestrator.spec import load  # noqa: E402
-from orchestrator.supervisor import Supervisor  # noqa: E402
+from orchestrator.checkpoint import tiers  # noqa: E402
+from orchestrator.core.journal import Journal  # noqa: E402
+from orchestrator.core.spec import load  # noqa: E402
+from orchestrator.supervise.supervisor import Supervisor  # noqa: E402
 
 JOBS = {
     "cifar": ("cifar10_resnet", lambda t, e: t.replace("args: {synthetic: false}",

@@ -68,9 +68,9 @@ def supervise(job, plan, out=None):
     """Run the real supervisor with the fake worker; return (rc, its output, journal events)."""
     import io
 
-    from orchestrator.journal import Journal
-    from orchestrator.spec import load
-    from orchestrator.supervisor import Supervisor
+    from orchestrator.core.journal import Journal
+    from orchestrator.core.spec import load
+    from orchestrator.supervise.supervisor import Supervisor
 
     out = out if out is not None else io.StringIO()
     sup = Supervisor(load(job), worker_cmd=fake_worker_cmd, out=out, env=fake_env(plan))
@@ -100,8 +100,8 @@ def supervisor_process(job, plan):
     """The real supervisor with the fake worker, in its own process (to signal or kill it)."""
     code = ("import sys; sys.path.insert(0, %r); sys.path.insert(0, %r)\n"
             "from conftest import fake_worker_cmd\n"
-            "from orchestrator.spec import load\n"
-            "from orchestrator.supervisor import Supervisor\n"
+            "from orchestrator.core.spec import load\n"
+            "from orchestrator.supervise.supervisor import Supervisor\n"
             "sys.exit(Supervisor(load(%r), worker_cmd=fake_worker_cmd).run())\n"
             % (os.path.join(ROOT, "tests"), ROOT, job))
     return subprocess.Popen([sys.executable, "-c", code], env=fake_env(plan),

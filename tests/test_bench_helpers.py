@@ -10,7 +10,7 @@ from conftest import ROOT
 
 sys.path.insert(0, ROOT)
 from bench import arms, breakdown, report, stats  # noqa: E402
-from orchestrator import timeline  # noqa: E402
+from orchestrator.ops import timeline  # noqa: E402
 
 FIXTURES = os.path.join(ROOT, "tests", "fixtures", "bench")
 
@@ -76,7 +76,7 @@ def test_cold_start_and_useful_time_from_the_journal(journal):
     assert ph["detected"] is None
     assert ph["process_started"] == pytest.approx(0.2)
     assert ph["total"] == pytest.approx(4.1)
-    # useful time: the project's rule (orchestrator.timeline), first step to last checkpoint
+    # useful time: the project's rule (orchestrator.ops.timeline), first step to last checkpoint
     assert timeline.account(timeline.build(journal))["useful_s"] == pytest.approx(1.0 + 1.5)
     assert breakdown.final_fingerprint(journal) == "bb"
 

@@ -2,7 +2,7 @@ import os
 
 import pytest
 
-from orchestrator.checkpoints import CheckpointStore
+from orchestrator.checkpoint.store import CheckpointStore
 
 
 def _payload(text):

@@ -8,8 +8,10 @@ import sys
 
 import pytest
 
-from orchestrator import cli, doctor, probes
-from orchestrator.doctor import FAIL, OK, WARN
+from orchestrator import cli
+from orchestrator.ops import doctor
+from orchestrator.recovery import probes
+from orchestrator.ops.doctor import FAIL, OK, WARN
 
 
 def _levels(checks):
@@ -131,7 +133,7 @@ def test_cli_exit_status_and_json(tmp_path, write_job, capsys):
 
 def test_doctor_never_imports_tensorflow_in_its_own_process(tmp_path):
     # A fresh interpreter: other tests in this session may have imported Keras already.
-    code = ("import sys; from orchestrator import doctor\n"
+    code = ("import sys; from orchestrator.ops import doctor\n"
             f"doctor.run(None, {str(tmp_path)!r}, run_probe=False)\n"
             "bad = [m for m in sys.modules if m.split('.')[0] in ('tensorflow', 'keras')]\n"
             "print(bad); sys.exit(1 if bad else 0)")

@@ -13,11 +13,12 @@ import pytest
 
 from conftest import ROOT, fake_env, fake_worker_cmd
 from drivefaults import DriveFaults
-from orchestrator import cli, tiers
-from orchestrator.journal import Journal
-from orchestrator.spec import load
-from orchestrator.status import format_status, run_status
-from orchestrator.supervisor import IncompatibleResume, Supervisor
+from orchestrator import cli
+from orchestrator.checkpoint import tiers
+from orchestrator.core.journal import Journal
+from orchestrator.core.spec import load
+from orchestrator.ops.status import format_status, run_status
+from orchestrator.supervise.supervisor import IncompatibleResume, Supervisor
 
 CKPT = "checkpoint: {keep: 2, keep_every_epochs: 3, upload_backoff: {initial: 0.02, max: 0.1}}"
 
@@ -101,8 +102,8 @@ def test_supervisor_killed_during_a_durable_upload_leaves_nothing_half_done(fake
     code = ("import sys; sys.path.insert(0, %r); sys.path.insert(0, %r)\n"
             "from conftest import fake_worker_cmd\n"
             "from drivefaults import DriveFaults\n"
-            "from orchestrator.spec import load\n"
-            "from orchestrator.supervisor import Supervisor\n"
+            "from orchestrator.core.spec import load\n"
+            "from orchestrator.supervise.supervisor import Supervisor\n"
             "with DriveFaults(%r) as d:\n"
             "    d.delay = 0.3\n"
             "    sys.exit(Supervisor(load(%r), worker_cmd=fake_worker_cmd).run())\n"

@@ -13,10 +13,10 @@ from watchdog.events import FileSystemEventHandler
 from watchdog.observers import Observer
 
 from conftest import ROOT
-from orchestrator import heartbeat
-from orchestrator.journal import Journal
-from orchestrator.osutil import pid_alive
-from orchestrator.rundir import CPU_DEVICES_ENV
+from orchestrator.core import heartbeat
+from orchestrator.core.journal import Journal
+from orchestrator.core.osutil import pid_alive
+from orchestrator.core.rundir import CPU_DEVICES_ENV
 
 pytestmark = pytest.mark.e2e
 
@@ -319,8 +319,9 @@ def test_export_formats_load_on_cpu_and_predict_as_the_run_s_model(digits_job, t
     sys.path.insert(0, str(tmp_path))
     import digits_job as job
 
-    from orchestrator import state, tiers
-    from orchestrator.spec import load
+    from orchestrator.train import state
+    from orchestrator.checkpoint import tiers
+    from orchestrator.core.spec import load
 
     # the run's model: rebuilt by the job's factory, restored from the newest valid checkpoint
     spec = load(digits_job, run_dir=str(run))

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from conftest import ROOT
-from orchestrator.journal import Journal
+from orchestrator.core.journal import Journal
 
 pytestmark = pytest.mark.e2e
 

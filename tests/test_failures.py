@@ -7,8 +7,8 @@ import sys
 import pytest
 
 from conftest import ROOT
-from orchestrator import failures
-from orchestrator.failures import classify, match_text
+from orchestrator.recovery import failures
+from orchestrator.recovery.failures import classify, match_text
 
 # Real texts, wrapped differently from the catalogue entries (prefixes, class paths, line
 # breaks, gRPC status JSON, escaped JSON, other ids and shapes).

@@ -8,9 +8,9 @@ import sys
 import pytest
 
 from conftest import ROOT
-from orchestrator import faults
-from orchestrator.checkpoints import CheckpointStore
-from orchestrator.journal import Journal
+from orchestrator.recovery import faults
+from orchestrator.checkpoint.store import CheckpointStore
+from orchestrator.core.journal import Journal
 
 
 @pytest.mark.parametrize("text,what,arg,at,n,dur", [
@@ -110,8 +110,8 @@ def test_storage_down_fails_every_store_call_until_it_is_back(tmp_path):
 
 def test_kill_at_checkpoint_dies_after_the_payload_and_before_the_rename(tmp_path):
     code = ("import sys; sys.path.insert(0, %r)\n"
-            "from orchestrator import faults\n"
-            "from orchestrator.checkpoints import CheckpointStore\n"
+            "from orchestrator.recovery import faults\n"
+            "from orchestrator.checkpoint.store import CheckpointStore\n"
             "from test_faults import _commit\n"
             "inj = faults.Injector(['kill@checkpoint=2'], %r, 1)\n"
             "store = inj.wrap_store(CheckpointStore(%r))\n"

@@ -5,8 +5,8 @@ import sys
 
 import pytest
 
-from orchestrator.journal import Journal
-from orchestrator.lock import LockedError, RunLock
+from orchestrator.core.journal import Journal
+from orchestrator.core.lock import LockedError, RunLock
 
 
 def test_journal_appends_and_skips_a_torn_line(tmp_path):
@@ -24,7 +24,7 @@ def test_journal_holds_events_while_its_folder_fails_then_writes_them_in_order(t
     import errno
 
     from drivefaults import DriveFaults
-    from orchestrator.heartbeat import HeartbeatWriter
+    from orchestrator.core.heartbeat import HeartbeatWriter
 
     (tmp_path / "run").mkdir()
     j = Journal(str(tmp_path / "run" / "events.jsonl"))

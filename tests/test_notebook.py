@@ -9,8 +9,8 @@ import time
 import pytest
 
 from conftest import ROOT, fake_env
-from orchestrator.journal import Journal
-from orchestrator.osutil import pid_alive
+from orchestrator.core.journal import Journal
+from orchestrator.core.osutil import pid_alive
 
 jupyter_client = pytest.importorskip("jupyter_client", reason="needs the test extra")
 
@@ -18,7 +18,7 @@ SETUP = f"""
 import sys
 sys.path[:0] = [{os.path.join(ROOT, 'tests')!r}, {ROOT!r}]
 import orchestrator, orchestrator.api
-from orchestrator.supervisor import Supervisor
+from orchestrator.supervise.supervisor import Supervisor
 from conftest import fake_worker_cmd
 
 class FakeWorkerSupervisor(Supervisor):  # the notebook API, with the fake worker

@@ -6,7 +6,7 @@ import subprocess
 import sys
 import time
 
-from orchestrator import probes
+from orchestrator.recovery import probes
 
 
 def test_tpu_node_probe_is_tcp_reachability_of_the_grpc_address():

@@ -4,7 +4,7 @@ import io
 import re
 
 from conftest import supervise
-from orchestrator.progress import Progress, is_interactive, render_bar
+from orchestrator.supervise.console import Progress, is_interactive, render_bar
 
 KILL_THEN_FINISH = {"exit_at_epoch": {"1": [3, -9]}, "batches": 4, "epoch_s": 0.05}
 

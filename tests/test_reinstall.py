@@ -12,10 +12,10 @@ import zipfile
 import pytest
 
 from conftest import fake_env, fake_worker_cmd
-from orchestrator.journal import Journal
-from orchestrator.reinstall import installed, reinstall_tensorflow
-from orchestrator.spec import RecoverySpec, load
-from orchestrator.supervisor import Supervisor
+from orchestrator.core.journal import Journal
+from orchestrator.recovery.reinstall import installed, reinstall_tensorflow
+from orchestrator.core.spec import RecoverySpec, load
+from orchestrator.supervise.supervisor import Supervisor
 
 DIST, MODULE, VERSION = "orchestrator-fakeflow", "fakeflow", "1.0"
 

@@ -12,7 +12,7 @@ from orchestrator import cli
 pytest.importorskip("matplotlib", reason="the report needs the report extra")
 from PIL import Image  # noqa: E402  (matplotlib's own dependency)
 
-from orchestrator.report import ATTEMPT_COLOURS, CAUSE_COLOURS, FAULT_COLOUR  # noqa: E402
+from orchestrator.ops.report import ATTEMPT_COLOURS, CAUSE_COLOURS, FAULT_COLOUR  # noqa: E402
 
 
 def _check_self_contained(page: str):

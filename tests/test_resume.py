@@ -1,5 +1,5 @@
 """Where a resumed attempt starts and when it says it is not exact (no TensorFlow)."""
-from orchestrator.resume import NOT_DETERMINISTIC, plan
+from orchestrator.train.resume import NOT_DETERMINISTIC, plan
 
 
 def _m(**kw):

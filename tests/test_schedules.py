@@ -3,8 +3,8 @@ import math
 
 import pytest
 
-from orchestrator.schedules import build
-from orchestrator.spec import LearningRateSpec
+from orchestrator.train.schedules import build
+from orchestrator.core.spec import LearningRateSpec
 
 
 def _rates(schedule, epochs, lr=1.0, start=0):

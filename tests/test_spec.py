@@ -2,9 +2,9 @@ import os
 
 import pytest
 
-from orchestrator import spec as spec_mod
+from orchestrator.core import spec as spec_mod
 from orchestrator.cli import main as cli_main
-from orchestrator.spec import SpecError, load
+from orchestrator.core.spec import SpecError, load
 
 VALID = """
 name: demo

@@ -9,9 +9,10 @@ import pytest
 
 from conftest import supervisor_process
 
-from orchestrator import cli, timeline
-from orchestrator.journal import Journal
-from orchestrator.status import format_status, run_status
+from orchestrator import cli
+from orchestrator.ops import timeline
+from orchestrator.core.journal import Journal
+from orchestrator.ops.status import format_status, run_status
 
 
 def test_status_of_a_finished_run(finished_run, capsys):

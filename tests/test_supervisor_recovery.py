@@ -7,11 +7,11 @@ import shutil
 import stat
 
 from conftest import fake_env, fake_worker_cmd
-from orchestrator import tiers
-from orchestrator.journal import Journal
-from orchestrator.osutil import pid_alive
-from orchestrator.spec import load
-from orchestrator.supervisor import Supervisor
+from orchestrator.checkpoint import tiers
+from orchestrator.core.journal import Journal
+from orchestrator.core.osutil import pid_alive
+from orchestrator.core.spec import load
+from orchestrator.supervise.supervisor import Supervisor
 
 FAST = "{max: 6, backoff: {initial: 0.01, max: 0.05}}"
 

@@ -7,10 +7,10 @@ import time
 import pytest
 
 from drivefaults import DriveFaults
-from orchestrator.checkpoints import COMMIT_MARKER, CheckpointStore, Retention
-from orchestrator.journal import Journal
-from orchestrator.mirror import DurableMirror
-from orchestrator.tiers import TieredStore, is_durable
+from orchestrator.checkpoint.store import COMMIT_MARKER, CheckpointStore, Retention
+from orchestrator.core.journal import Journal
+from orchestrator.checkpoint.mirror import DurableMirror
+from orchestrator.checkpoint.tiers import TieredStore, is_durable
 
 
 def _payload(text):
@@ -64,7 +64,7 @@ def test_a_stale_commit_marker_does_not_validate_a_new_manifest(tmp_path):
 
 # ------------------------------------------------------------------ retention
 def _fake(step, epoch, batch=0, **metrics):
-    from orchestrator.checkpoints import Checkpoint
+    from orchestrator.checkpoint.store import Checkpoint
     return Checkpoint(step, f"/x/{step}", {"epoch": epoch, "batch": batch, "metrics": metrics})
 
 
@@ -93,7 +93,7 @@ def test_local_retention_never_deletes_a_checkpoint_that_is_not_durable(tiers):
     for s in range(1, 6):
         tiers.commit(s, _payload(str(s)), {"epoch": s}, keep=2)
     assert [c.step for c in tiers.local.list()] == [1, 2, 3, 4, 5]  # none is durable yet
-    from orchestrator.tiers import mark_durable
+    from orchestrator.checkpoint.tiers import mark_durable
     for c in tiers.local.list()[:2]:
         mark_durable(c, "elsewhere")
     tiers.commit(6, _payload("6"), {"epoch": 6}, keep=2)
@@ -240,7 +240,7 @@ def test_slow_durable_tier_still_flushes_everything_due(tiers, tmp_path):
 
 
 def test_a_copy_that_does_not_read_back_is_retried(tiers, tmp_path, monkeypatch):
-    import orchestrator.checkpoints as ck
+    import orchestrator.checkpoint.store as ck
     m, journal = _mirror(tiers, tmp_path)
     real = ck.shutil.copyfile
     broken = {"left": 1}

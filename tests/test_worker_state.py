@@ -17,8 +17,8 @@ keras = state = CallbackStates = LearningRateCallback = get_learning_rate = None
 def _keras():
     global keras, state, CallbackStates, LearningRateCallback, get_learning_rate
     keras = pytest.importorskip("keras")
-    from orchestrator import state
-    from orchestrator.callbacks import CallbackStates, LearningRateCallback, get_learning_rate
+    from orchestrator.train import state
+    from orchestrator.train.callbacks import CallbackStates, LearningRateCallback, get_learning_rate
 
 X = np.random.default_rng(0).normal(size=(32, 4)).astype("float32")
 Y = (X.sum(axis=1) > 0).astype("int32")
@@ -127,10 +127,10 @@ class _Clock:
 
 
 def test_checkpoints_every_n_seconds_within_epochs_and_once_at_the_end(tmp_path, monkeypatch):
-    from orchestrator import callbacks as cbm
-    from orchestrator.checkpoints import CheckpointStore
-    from orchestrator.heartbeat import Progress
-    from orchestrator.spec import CheckpointSpec
+    from orchestrator.train import callbacks as cbm
+    from orchestrator.checkpoint.store import CheckpointStore
+    from orchestrator.core.heartbeat import Progress
+    from orchestrator.core.spec import CheckpointSpec
 
     clock = _Clock()
     monkeypatch.setattr(cbm, "time", clock)

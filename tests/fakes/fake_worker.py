@@ -1,7 +1,7 @@
-"""A tiny stand-in for orchestrator.worker that never imports TensorFlow.
+"""A tiny stand-in for orchestrator.train.worker that never imports TensorFlow.
 
 It runs 10 steps per epoch (global step = 10 x epochs done; a checkpoint is keyed by it),
-fires injected faults at those steps through the real orchestrator.faults, registers the stack
+fires injected faults at those steps through the real orchestrator.recovery.faults, registers the stack
 dump, commits one checkpoint per epoch through the real CheckpointStore, and misbehaves as the
 plan in $FAKE_PLAN (JSON) says, per attempt number:
   {"epoch_s": 0.05,
@@ -27,14 +27,14 @@ import sys
 import time
 import traceback
 
-from orchestrator import tiers
-from orchestrator.faults import Injector
-from orchestrator.heartbeat import HeartbeatWriter, Progress, register_stack_dump
-from orchestrator.journal import Journal
-from orchestrator.osutil import write_atomic, write_json_atomic
-from orchestrator.rundir import RunDir
-from orchestrator.spec import load
-from orchestrator.worker import write_error_record
+from orchestrator.checkpoint import tiers
+from orchestrator.recovery.faults import Injector
+from orchestrator.core.heartbeat import HeartbeatWriter, Progress, register_stack_dump
+from orchestrator.core.journal import Journal
+from orchestrator.core.osutil import write_atomic, write_json_atomic
+from orchestrator.core.rundir import RunDir
+from orchestrator.core.spec import load
+from orchestrator.train.worker import write_error_record
 
 STEPS = 10
 

@@ -1,0 +1,130 @@
+"""Two checkpoint tiers seen as one store: a fast local tier and the durable run directory.
+
+The worker commits to the local tier only (a local disk never makes a training step wait for
+Google Drive); the supervisor's ``DurableMirror`` copies each checkpoint to the durable tier
+(``<run_dir>/checkpoints``) in the background and, once the copy has been read back and
+verified, drops a ``durable.json`` marker into the local checkpoint. Local retention removes only
+marked checkpoints, so the only verified copy is never deleted. ``TieredStore`` has the
+``CheckpointStore`` API (``commit``, ``list``, ``verify``, ``latest_valid``, ``retain``), so the
+worker's code does not know there are two tiers. No TensorFlow here.
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Callable
+
+from orchestrator.checkpoint.store import Checkpoint, CheckpointStore, Retention, as_retention
+from orchestrator.core.osutil import write_json_atomic
+from orchestrator.core.rundir import RunDir
+
+DURABLE_MARKER = "durable.json"
+
+
+def is_durable(c: Checkpoint) -> bool:
+    """The mirror has verified a durable copy of this local checkpoint."""
+    return os.path.isfile(os.path.join(c.path, DURABLE_MARKER))
+
+
+def mark_durable(local: Checkpoint, durable_path: str, **facts) -> None:
+    write_json_atomic(os.path.join(local.path, DURABLE_MARKER),
+                      {"durable_path": durable_path, **facts})
+
+
+def unmark_durable(local: Checkpoint) -> bool:
+    """Its durable copy is gone: protect the local copy again. False if it was not marked."""
+    try:
+        os.remove(os.path.join(local.path, DURABLE_MARKER))
+    except FileNotFoundError:
+        return False
+    return True
+
+
+class TieredStore:
+    def __init__(self, local_root: str, durable_root: str):
+        self.local = CheckpointStore(local_root, may_delete=is_durable)
+        self.durable = CheckpointStore(durable_root)
+        self.durable_error: OSError | None = None  # why the last durable listing failed
+
+    @property
+    def root(self) -> str:
+        return self.local.root
+
+    # ---------------------------------------------------------------- write side (worker)
+    def commit(self, step: int, write_payload: Callable[[str], None], manifest: dict,
+               keep: "int | Retention | None" = None) -> Checkpoint:
+        """Commit to the local tier; the supervisor's mirror makes it durable."""
+        c = self.local.commit(step, write_payload, manifest)
+        if keep:
+            self.local.retain(as_retention(keep))
+        return c
+
+    def retain(self, keep: "int | Retention") -> list[str]:
+        return self.local.retain(keep)
+
+    def remove_partial(self) -> list[str]:
+        return self.local.remove_partial()
+
+    def path_for(self, step: int) -> str:
+        return self.local.path_for(step)
+
+    # ---------------------------------------------------------------- read side (both)
+    def durable_list(self) -> list[Checkpoint]:
+        """Committed durable checkpoints; [] (and ``durable_error`` set) when unreachable."""
+        try:
+            out = self.durable.list()
+        except OSError as exc:
+            self.durable_error = exc
+            return []
+        self.durable_error = None
+        return out
+
+    def copies(self) -> dict[int, list[Checkpoint]]:
+        """step -> its copies, local first."""
+        out: dict[int, list[Checkpoint]] = {}
+        for c in self.local.list() + self.durable_list():
+            out.setdefault(c.step, []).append(c)
+        return out
+
+    def list(self) -> list[Checkpoint]:
+        """Every committed step once (its local copy where there is one), oldest first."""
+        return [cs[0] for _, cs in sorted(self.copies().items())]
+
+    def verify(self, path: str) -> str | None:
+        return self.local.verify(path)
+
+    def latest_valid(self, on_skip: Callable[[Checkpoint, str], None] | None = None
+                     ) -> Checkpoint | None:
+        """The newest checkpoint with a copy that verifies in either tier; ``on_skip`` hears of
+        each copy passed over (corrupt, partial, unreadable)."""
+        for _, cs in sorted(self.copies().items(), reverse=True):
+            for c in cs:
+                reason = self.local.verify(c.path)
+                if reason is None:
+                    return c
+                if on_skip:
+                    on_skip(c, reason)
+        return None
+
+
+def set_aside_local(store: TieredStore) -> tuple[str, int] | None:
+    """Move the local tier's checkpoints out of the way (renamed, not deleted) when they belong
+    to an earlier run: the run directory was deleted and a new run starts at the same path, so
+    the same local folder. Resuming from them would continue a run the user threw away.
+    Returns (where they went, how many) or None when there was nothing."""
+    root = store.local.root
+    try:
+        entries = os.listdir(root)
+    except FileNotFoundError:
+        return None
+    if not entries:
+        return None
+    dest = f"{root}.earlier-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    os.rename(root, dest)
+    return dest, len(entries)
+
+
+
+
+def for_spec(spec) -> TieredStore:
+    return TieredStore(spec.checkpoint.local_dir, RunDir(spec.run_dir).checkpoints)

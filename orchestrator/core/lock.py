@@ -1,0 +1,93 @@
+"""Ownership of a run directory: one supervisor at a time.
+
+A ``lock`` file names the owner (host, pid, start, last refresh). It is created with
+``O_EXCL``. A lock whose owner is dead (same host, pid gone) or silent for longer than
+``stale_after`` seconds (another host, e.g. a recycled Colab VM that left it on Drive) is stale
+and is taken over: it is first renamed aside, which only one contender can do, then created anew.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+import uuid
+
+from orchestrator.core.osutil import pid_alive, read_json, write_json_atomic
+
+FILE = "lock"
+
+
+class LockedError(Exception):
+    """Another live supervisor owns the run directory."""
+
+
+class RunLock:
+    def __init__(self, run_dir: str, stale_after: float = 120.0):
+        self.path = os.path.join(run_dir, FILE)
+        self.stale_after = stale_after
+        self.owner = {"host": socket.gethostname(), "pid": os.getpid(),
+                      "started": round(time.time(), 3), "token": uuid.uuid4().hex}
+        self.held = False
+
+    def acquire(self) -> dict | None:
+        """Take the lock; return the stale owner taken over from, or None. Raises LockedError."""
+        taken_from = None
+        for _ in range(3):
+            try:
+                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                current = read_json(self.path)
+                reason = self.stale_reason(current)
+                if reason is None:
+                    o = current or {}
+                    age = time.time() - float(o.get("refreshed", o.get("started", 0)) or 0)
+                    raise LockedError(
+                        f"{os.path.dirname(self.path)} is in use by another supervisor "
+                        f"(pid {o.get('pid')} on host {o.get('host')}, last seen {age:.0f} s "
+                        f"ago). Stop it first, or wait {self.stale_after:.0f} s after it died "
+                        f"for the lock to go stale.") from None
+                aside = f"{self.path}.stale-{uuid.uuid4().hex[:8]}"
+                try:
+                    os.rename(self.path, aside)
+                except FileNotFoundError:
+                    continue  # someone else moved it; try again
+                os.remove(aside)
+                taken_from = dict(current or {}, reason=reason)
+                continue
+            with os.fdopen(fd, "w") as f:
+                json.dump(dict(self.owner, refreshed=self.owner["started"]), f)
+            self.held = True
+            return taken_from
+        raise LockedError(f"{self.path}: could not take the lock (contended)")
+
+    def refresh(self) -> None:
+        if self.held:
+            write_json_atomic(self.path, dict(self.owner, refreshed=round(time.time(), 3)),
+                              durable=False)
+
+    def release(self) -> None:
+        if not self.held:
+            return
+        current = read_json(self.path) or {}
+        if current.get("token") == self.owner["token"]:
+            os.remove(self.path)
+        self.held = False
+
+    def stale_reason(self, current: dict | None) -> str | None:
+        """Why the lock ``current`` may be taken over, or None while its owner lives."""
+        if not current:
+            try:  # an owner may be between creating the file and writing it
+                fresh = time.time() - os.path.getmtime(self.path) < 5
+            except OSError:
+                fresh = False
+            return None if fresh else "lock file unreadable"
+        if current.get("host") == socket.gethostname():
+            pid = int(current.get("pid", 0) or 0)
+            if pid and not pid_alive(pid):
+                return f"owner pid {pid} is not running"
+            return None
+        age = time.time() - float(current.get("refreshed", 0) or 0)
+        if age > self.stale_after:
+            return f"owner on host {current.get('host')} silent for {age:.0f} s"
+        return None

@@ -1,0 +1,567 @@
+"""Job spec: a YAML file turned into validated dataclasses.
+
+Every error names the file, the line, the key and what was expected, because the person reading
+it is usually looking at a notebook cell hours after they wrote the YAML. Only
+``yaml.SafeLoader`` is used: a job file must never be able to run code by being parsed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+STRATEGIES = ("auto", "tpu", "gpu", "cpu")
+SCHEDULES = ("step_decay", "cosine", "piecewise")
+BUILTIN_CALLBACKS = ("early_stopping", "reduce_lr_on_plateau", "terminate_on_nan")
+_FACTORY_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+
+class SpecError(Exception):
+    """A job file that cannot be used; the message is meant for the user as it is."""
+
+    def __init__(self, path: str, line: int | None, key: str | None, expected: str):
+        self.path, self.line, self.key, self.expected = path, line, key, expected
+        where = f"{path}:{line}" if line else path
+        what = f"key '{key}': " if key else ""
+        super().__init__(f"{where}: {what}{expected}")
+
+
+@dataclass(frozen=True)
+class Factory:
+    """A user function named ``module:function``, called with ``args`` as keyword arguments."""
+
+    target: str
+    args: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class CompileSpec:
+    optimizer: Any = "adam"
+    loss: Any = None
+    metrics: tuple = ()
+
+
+@dataclass(frozen=True)
+class CheckpointSpec:
+    """When to checkpoint, what to keep, and the two tiers (see ``tiers.py``)."""
+
+    every_epochs: int = 1
+    keep: int = 3
+    every_steps: int | None = None         # also commit mid-epoch every N steps ...
+    every_seconds: float | None = None     # ... and/or every T seconds
+    keep_every_epochs: int | None = None   # also keep one checkpoint every N epochs
+    keep_best: str | None = None           # also keep the best by this metric (e.g. val_loss)
+    keep_best_mode: str = "min"
+    local_dir: str = ""                    # the fast tier; "" until load() fills the default
+    remount: str | None = None             # "colab" or module:function, called with the dir
+    flush_timeout: float = 600.0           # how long the end of a run waits for durable copies
+    upload_backoff_initial: float = 1.0
+    upload_backoff_max: float = 60.0
+
+    @property
+    def retention(self):
+        from orchestrator.checkpoint.store import Retention
+
+        return Retention(self.keep, self.keep_every_epochs, self.keep_best, self.keep_best_mode)
+
+
+@dataclass(frozen=True)
+class LearningRateSpec:
+    """A per-epoch learning rate: a built-in ``schedule`` with ``params``, or a ``function``
+    ``module:function(epoch, lr) -> lr``."""
+
+    schedule: str | None = None
+    params: dict = field(default_factory=dict)
+    function: Factory | None = None
+
+
+@dataclass(frozen=True)
+class CallbackSpec:
+    """A Keras callback: a built-in by ``name`` with keyword ``args``, or a user ``factory``."""
+
+    name: str | None = None
+    args: dict = field(default_factory=dict)
+    factory: Factory | None = None
+
+
+@dataclass(frozen=True)
+class RestartSpec:
+    max: int = 3
+    backoff_initial: float = 1.0
+    backoff_max: float = 60.0
+    backoff_multiplier: float = 2.0
+
+
+ACTIONS = ("restart", "reinit_accelerator", "reinstall_tensorflow", "wait_accelerator",
+           "fallback_strategy", "halve_batch", "give_up")
+KIND_NAMES = ("accelerator_context", "accelerator_unavailable", "accelerator_busy",
+              "out_of_memory", "storage", "hang", "killed", "user_error", "unknown")
+
+
+@dataclass(frozen=True)
+class Rung:
+    """One step of a recovery ladder: ``action``, ``times`` in a row (None: while the restart
+    budget lasts)."""
+
+    action: str
+    times: int | None = 1
+
+
+@dataclass(frozen=True)
+class CrashLoopSpec:
+    same_failure: int = 3       # the same kind at the same step this many times in a row
+    failures: int = 4           # ... or this many failures
+    window_minutes: float = 10  # ... within this window, without a new checkpoint
+
+
+@dataclass(frozen=True)
+class RecoverySpec:
+    ladders: tuple = ()                 # ((kind, (Rung, ...)), ...) replacing the defaults
+    reinstall_tensorflow: bool = False  # opt-in: pip-reinstall the installed TF distribution
+    reinstall_max: int = 1              # per run
+    pip: tuple = ()                     # command prefix; () = (sys.executable, -m, pip)
+    pip_args: tuple = ()                # extra arguments to `pip install` (index, target)
+    tensorflow_distributions: tuple = ("tensorflow-tpu", "tensorflow", "tensorflow-cpu")
+    verify_import: str = "tensorflow"   # the module a fresh process imports to verify
+    halve_batch: bool = False           # on out_of_memory, halve the per-replica batch
+    min_batch_size: int = 1
+    strategy_fallback: bool = False     # TPU -> GPU -> CPU
+    wait_initial: float = 5.0           # wait_accelerator: probe backoff
+    wait_max: float = 60.0
+    wait_timeout: float = 600.0
+    crash_loop: CrashLoopSpec = CrashLoopSpec()
+
+    def ladder(self, kind: str):
+        return dict(self.ladders).get(kind)
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    name: str
+    model: Factory
+    data: Factory
+    epochs: int
+    batch_size: int
+    run_dir: str
+    job_path: str
+    job_dir: str
+    strategy: str = "auto"
+    seed: int = 0
+    compile: CompileSpec | None = None
+    checkpoint: CheckpointSpec = CheckpointSpec()
+    restarts: RestartSpec = RestartSpec()
+    heartbeat_interval: float = 1.0
+    deterministic: bool = False
+    learning_rate: LearningRateSpec | None = None
+    callbacks: tuple = ()
+    hang_timeout: float = 300.0      # no heartbeat for this long while training: a hang
+    startup_timeout: float = 1800.0  # ... before the first training heartbeat of an attempt
+    stop_grace: float = 10.0         # SIGTERM -> SIGKILL of a worker's process group
+    probe_interval: float = 60.0     # accelerator probe period while an attempt runs
+    recovery: RecoverySpec = RecoverySpec()
+
+    def training_relevant(self) -> dict:
+        """What decides the trained model (not epochs, restarts, checkpoints or paths)."""
+        return json.loads(json.dumps({
+            "model": dataclasses.asdict(self.model),
+            "data": dataclasses.asdict(self.data),
+            "compile": dataclasses.asdict(self.compile) if self.compile else None,
+            "batch_size": self.batch_size,
+            "seed": self.seed,
+            "deterministic": self.deterministic,
+            "learning_rate": dataclasses.asdict(self.learning_rate) if self.learning_rate else None,
+            "callbacks": [dataclasses.asdict(c) for c in self.callbacks],
+        }, sort_keys=True, default=str))
+
+    def training_hash(self) -> str:
+        """A hash of ``training_relevant()``: a run may only resume under the same one."""
+        blob = json.dumps(self.training_relevant(), sort_keys=True, default=str).encode()
+        return hashlib.sha256(blob).hexdigest()
+
+
+# --------------------------------------------------------------------------------------------
+# YAML with line numbers
+
+
+def _compose(text: str, path: str) -> tuple[Any, dict]:
+    """Parse YAML safely; return the data and a map from key path to line (1-based)."""
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None, {}
+        data = loader.construct_document(node)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = mark.line + 1 if mark else None
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise SpecError(path, line, None, f"invalid YAML: {problem}") from None
+    finally:
+        loader.dispose()
+    lines: dict = {}
+
+    def walk(n, prefix):
+        if isinstance(n, yaml.MappingNode):
+            for k, v in n.value:
+                key = f"{prefix}.{k.value}" if prefix else str(k.value)
+                lines[key] = k.start_mark.line + 1
+                walk(v, key)
+
+    walk(node, "")
+    return data, lines
+
+
+class _Reader:
+    """Reads typed values out of a mapping, raising SpecError with file, line and key."""
+
+    def __init__(self, path: str, lines: dict):
+        self.path, self.lines = path, lines
+
+    def fail(self, key: str, expected: str):
+        line = self.lines.get(key)
+        if line is None and "." in key:
+            line = self.lines.get(key.rsplit(".", 1)[0])
+        raise SpecError(self.path, line, key, expected)
+
+    def mapping(self, data, prefix: str, allowed: set, required: set = frozenset()) -> dict:
+        if not isinstance(data, dict):
+            self.fail(prefix or "(top level)", f"expected a mapping, got {type(data).__name__}")
+        for k in data:
+            if str(k) not in allowed:
+                key = f"{prefix}.{k}" if prefix else str(k)
+                self.fail(key, f"unknown key; expected one of: {', '.join(sorted(allowed))}")
+        for k in sorted(required):
+            if k not in data:
+                key = f"{prefix}.{k}" if prefix else k
+                raise SpecError(self.path, self.lines.get(prefix), key, "required key is missing")
+        return data
+
+    def integer(self, data, key, full, default=None, minimum=None):
+        if key not in data:
+            return default
+        v = data[key]
+        if isinstance(v, bool) or not isinstance(v, int) or (minimum is not None and v < minimum):
+            bound = f" >= {minimum}" if minimum is not None else ""
+            self.fail(full, f"expected an integer{bound}, got {v!r}")
+        return v
+
+    def number(self, data, key, full, default=None, minimum=None):
+        if key not in data:
+            return default
+        v = data[key]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or (
+            minimum is not None and v < minimum
+        ):
+            bound = f" >= {minimum}" if minimum is not None else ""
+            self.fail(full, f"expected a number{bound}, got {v!r}")
+        return float(v)
+
+    def strings(self, data, key, full, default=()):
+        if key not in data:
+            return default
+        v = data[key]
+        if not isinstance(v, list) or not all(isinstance(x, str) and x for x in v):
+            self.fail(full, f"expected a list of strings, got {v!r}")
+        return tuple(v)
+
+    def string(self, data, key, full, default=None, choices=None):
+        if key not in data:
+            return default
+        v = data[key]
+        if not isinstance(v, str) or not v.strip():
+            self.fail(full, f"expected a non-empty string, got {v!r}")
+        if choices and v not in choices:
+            self.fail(full, f"expected one of {', '.join(choices)}, got {v!r}")
+        return v
+
+    def boolean(self, data, key, full, default=False):
+        if key not in data:
+            return default
+        if not isinstance(data[key], bool):
+            self.fail(full, f"expected true or false, got {data[key]!r}")
+        return data[key]
+
+    def factory(self, data, key) -> Factory:
+        return self.factory_value(data[key], key)
+
+    def factory_value(self, v, key) -> Factory:
+        args: dict = {}
+        target = v
+        if isinstance(v, dict):
+            self.mapping(v, key, {"factory", "args"}, {"factory"})
+            target = v["factory"]
+            args = v.get("args") or {}
+            if not isinstance(args, dict):
+                self.fail(f"{key}.args", f"expected a mapping of keyword arguments, got {args!r}")
+            key = f"{key}.factory"
+        if not isinstance(target, str) or not _FACTORY_RE.match(target):
+            self.fail(key, f"expected 'module:function' (e.g. my_job:build_model), got {target!r}")
+        return Factory(target, dict(args))
+
+
+TOP_KEYS = {
+    "name", "model", "data", "compile", "epochs", "batch_size", "strategy", "run_dir", "seed",
+    "checkpoint", "restarts", "heartbeat_interval", "deterministic", "learning_rate", "callbacks",
+    "hang_timeout", "startup_timeout", "stop_grace", "probe_interval", "recovery",
+}
+RECOVERY_KEYS = {
+    "ladders", "reinstall_tensorflow", "reinstall_max", "pip", "pip_args",
+    "tensorflow_distributions", "verify_import", "halve_batch", "min_batch_size",
+    "strategy_fallback", "wait", "crash_loop",
+}
+
+
+def _ladder(r: _Reader, value, key: str) -> tuple:
+    """``[restart, {reinit_accelerator: 2}, {restart: budget}]`` -> Rungs."""
+    if not isinstance(value, list):
+        r.fail(key, f"expected a list of actions (e.g. [restart, {{halve_batch: 2}}]), "
+               f"got {value!r}")
+    rungs = []
+    for item in value:
+        action, times = (item, 1) if isinstance(item, str) else (
+            next(iter(item.items())) if isinstance(item, dict) and len(item) == 1 else (None, 0))
+        if action not in ACTIONS:
+            r.fail(key, f"expected actions from {', '.join(ACTIONS)}, got {item!r}")
+        if times == "budget":
+            times = None
+        elif isinstance(times, bool) or not isinstance(times, int) or times < 1:
+            r.fail(key, f"{action}: expected a count >= 1 or 'budget', got {times!r}")
+        rungs.append(Rung(action, times))
+    return tuple(rungs)
+
+
+def _recovery(r: _Reader, data) -> RecoverySpec:
+    c = r.mapping(data, "recovery", RECOVERY_KEYS)
+    ladders = ()
+    if "ladders" in c:
+        lad = r.mapping(c["ladders"], "recovery.ladders", set(KIND_NAMES))
+        ladders = tuple((k, _ladder(r, v, f"recovery.ladders.{k}")) for k, v in lad.items())
+    w = r.mapping(c.get("wait", {}), "recovery.wait", {"initial", "max", "timeout"})
+    cl = r.mapping(c.get("crash_loop", {}), "recovery.crash_loop",
+                   {"same_failure", "failures", "window_minutes"})
+    d = RecoverySpec()
+    return RecoverySpec(
+        ladders=ladders,
+        reinstall_tensorflow=r.boolean(c, "reinstall_tensorflow", "recovery.reinstall_tensorflow"),
+        reinstall_max=r.integer(c, "reinstall_max", "recovery.reinstall_max", 1, 0),
+        pip=r.strings(c, "pip", "recovery.pip"),
+        pip_args=r.strings(c, "pip_args", "recovery.pip_args"),
+        tensorflow_distributions=r.strings(c, "tensorflow_distributions",
+                                           "recovery.tensorflow_distributions",
+                                           d.tensorflow_distributions),
+        verify_import=r.string(c, "verify_import", "recovery.verify_import", d.verify_import),
+        halve_batch=r.boolean(c, "halve_batch", "recovery.halve_batch"),
+        min_batch_size=r.integer(c, "min_batch_size", "recovery.min_batch_size", 1, 1),
+        strategy_fallback=r.boolean(c, "strategy_fallback", "recovery.strategy_fallback"),
+        wait_initial=r.number(w, "initial", "recovery.wait.initial", d.wait_initial, 0),
+        wait_max=r.number(w, "max", "recovery.wait.max", d.wait_max, 0),
+        wait_timeout=r.number(w, "timeout", "recovery.wait.timeout", d.wait_timeout, 0),
+        crash_loop=CrashLoopSpec(
+            same_failure=r.integer(cl, "same_failure", "recovery.crash_loop.same_failure", 3, 2),
+            failures=r.integer(cl, "failures", "recovery.crash_loop.failures", 4, 2),
+            window_minutes=r.number(cl, "window_minutes", "recovery.crash_loop.window_minutes",
+                                    10.0, 0)),
+    )
+
+_SCHEDULE_KEYS = {
+    "step_decay": {"initial", "factor", "every"},
+    "cosine": {"initial", "minimum", "decay_epochs", "warmup_epochs"},
+    "piecewise": {"boundaries", "values"},
+}
+
+
+def _learning_rate(r: _Reader, v) -> LearningRateSpec:
+    """``learning_rate: module:function``, ``{factory, args}`` or ``{schedule: NAME, ...}``."""
+    key = "learning_rate"
+    if isinstance(v, str) or (isinstance(v, dict) and "factory" in v):
+        return LearningRateSpec(schedule="function", function=r.factory_value(v, key))
+    if not isinstance(v, dict) or "schedule" not in v:
+        r.fail(key, f"expected a schedule mapping {{schedule: {'|'.join(SCHEDULES)}, ...}} or "
+               f"'module:function' taking (epoch, lr), got {v!r}")
+    name = r.string(v, "schedule", f"{key}.schedule", choices=SCHEDULES)
+    r.mapping(v, key, _SCHEDULE_KEYS[name] | {"schedule"})
+    p: dict = {}
+    if name == "piecewise":
+        for k in ("boundaries", "values"):
+            if k not in v:
+                raise SpecError(r.path, r.lines.get(key), f"{key}.{k}", "required key is missing")
+        b, vals = v["boundaries"], v["values"]
+        if (not isinstance(b, list) or not all(isinstance(x, int) and not isinstance(x, bool)
+                                               and x > 0 for x in b) or b != sorted(set(b))):
+            r.fail(f"{key}.boundaries", f"expected a rising list of epoch numbers > 0, got {b!r}")
+        if (not isinstance(vals, list) or len(vals) != len(b) + 1 or not all(
+                isinstance(x, (int, float)) and not isinstance(x, bool) and x >= 0 for x in vals)):
+            r.fail(f"{key}.values", f"expected {len(b) + 1} learning rates >= 0 (one more than "
+                   f"the boundaries), got {vals!r}")
+        p = {"boundaries": list(b), "values": [float(x) for x in vals]}
+    else:
+        if "initial" in v:
+            p["initial"] = r.number(v, "initial", f"{key}.initial", minimum=0)
+        if name == "step_decay":
+            p["factor"] = r.number(v, "factor", f"{key}.factor", 0.1, 0)
+            p["every"] = r.integer(v, "every", f"{key}.every", 1, 1)
+        else:
+            p["minimum"] = r.number(v, "minimum", f"{key}.minimum", 0.0, 0)
+            p["warmup_epochs"] = r.integer(v, "warmup_epochs", f"{key}.warmup_epochs", 0, 0)
+            if "decay_epochs" in v:
+                p["decay_epochs"] = r.integer(v, "decay_epochs", f"{key}.decay_epochs", None, 1)
+    return LearningRateSpec(schedule=name, params=p)
+
+
+def _callbacks(r: _Reader, v) -> tuple:
+    """A list of ``NAME: {args}`` built-ins, ``module:function`` or ``{factory, args}``."""
+    if not isinstance(v, list):
+        r.fail("callbacks", f"expected a list, e.g. [{{early_stopping: {{patience: 3}}}}, "
+               f"my_module:make_callback], got {v!r}")
+    out = []
+    for i, item in enumerate(v):
+        key = f"callbacks[{i}]"
+        if isinstance(item, str) or (isinstance(item, dict) and "factory" in item):
+            if isinstance(item, str) and item in BUILTIN_CALLBACKS:
+                out.append(CallbackSpec(name=item))
+                continue
+            try:
+                out.append(CallbackSpec(factory=r.factory_value(item, "callbacks")))
+            except SpecError as exc:
+                raise SpecError(r.path, exc.line, key, exc.expected) from None
+            continue
+        if (not isinstance(item, dict) or len(item) != 1
+                or next(iter(item)) not in BUILTIN_CALLBACKS):
+            r.fail("callbacks", f"{key}: expected one of {', '.join(BUILTIN_CALLBACKS)} "
+                   f"(as NAME: {{args}}), 'module:function' or {{factory, args}}; got {item!r}")
+        name, args = next(iter(item.items()))
+        if args is not None and not isinstance(args, dict):
+            r.fail("callbacks", f"{key}: {name}: expected a mapping of keyword arguments, "
+                   f"got {args!r}")
+        out.append(CallbackSpec(name=name, args=dict(args or {})))
+    return tuple(out)
+
+
+def load(path: str, run_dir: str | None = None) -> JobSpec:
+    """Read and validate a job file. ``run_dir`` overrides the file's ``run_dir``."""
+    path = os.fspath(path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as exc:
+        raise SpecError(path, None, None, f"cannot read the job file: {exc.strerror}") from None
+    data, lines = _compose(text, path)
+    r = _Reader(path, lines)
+    if data is None:
+        raise SpecError(path, None, None, "the job file is empty; expected a mapping with "
+                        "name, model, data, epochs and batch_size")
+    r.mapping(data, "", TOP_KEYS, {"name", "model", "data", "epochs", "batch_size"})
+
+    name = r.string(data, "name", "name")
+    if not re.match(r"^[\w.-]+$", name):
+        r.fail("name", f"expected letters, digits, '.', '_' or '-' only, got {name!r}")
+
+    compile_spec = None
+    if "compile" in data:
+        c = r.mapping(data["compile"], "compile", {"optimizer", "loss", "metrics"}, {"loss"})
+        opt = c.get("optimizer", "adam")
+        if not isinstance(opt, (str, dict)):
+            r.fail("compile.optimizer", f"expected a name like 'adam' or a mapping "
+                   f"{{class_name: ..., config: ...}}, got {opt!r}")
+        if not isinstance(c["loss"], (str, dict)):
+            r.fail("compile.loss", f"expected a loss name like 'sparse_categorical_crossentropy', "
+                   f"got {c['loss']!r}")
+        metrics = c.get("metrics", [])
+        if not isinstance(metrics, list) or not all(isinstance(m, str) for m in metrics):
+            r.fail("compile.metrics", f"expected a list of metric names, got {metrics!r}")
+        compile_spec = CompileSpec(opt, c["loss"], tuple(metrics))
+
+    job_dir = os.path.dirname(os.path.abspath(path))
+    rd = run_dir if run_dir is not None else r.string(data, "run_dir", "run_dir",
+                                                      os.path.join("runs", name))
+    rd = os.path.abspath(os.path.expanduser(rd))
+    ckpt = _checkpoint_spec(r, data.get("checkpoint", {}) if "checkpoint" in data else {},
+                            name, rd)
+
+    restarts = RestartSpec()
+    if "restarts" in data:
+        c = r.mapping(data["restarts"], "restarts", {"max", "backoff"})
+        b = {}
+        if "backoff" in c:
+            b = r.mapping(c["backoff"], "restarts.backoff", {"initial", "max", "multiplier"})
+        restarts = RestartSpec(
+            max=r.integer(c, "max", "restarts.max", 3, 0),
+            backoff_initial=r.number(b, "initial", "restarts.backoff.initial", 1.0, 0),
+            backoff_max=r.number(b, "max", "restarts.backoff.max", 60.0, 0),
+            backoff_multiplier=r.number(b, "multiplier", "restarts.backoff.multiplier", 2.0, 1),
+        )
+
+    return JobSpec(
+        name=name,
+        model=r.factory(data, "model"),
+        data=r.factory(data, "data"),
+        epochs=r.integer(data, "epochs", "epochs", minimum=1),
+        batch_size=r.integer(data, "batch_size", "batch_size", minimum=1),
+        strategy=r.string(data, "strategy", "strategy", "auto", STRATEGIES),
+        seed=r.integer(data, "seed", "seed", 0, 0),
+        run_dir=rd,
+        job_path=os.path.abspath(path),
+        job_dir=job_dir,
+        compile=compile_spec,
+        checkpoint=ckpt,
+        restarts=restarts,
+        heartbeat_interval=r.number(data, "heartbeat_interval", "heartbeat_interval", 1.0, 0.05),
+        deterministic=r.boolean(data, "deterministic", "deterministic"),
+        learning_rate=(_learning_rate(r, data["learning_rate"]) if "learning_rate" in data
+                       else None),
+        callbacks=_callbacks(r, data["callbacks"]) if "callbacks" in data else (),
+        hang_timeout=r.number(data, "hang_timeout", "hang_timeout", 300.0, 0.1),
+        startup_timeout=r.number(data, "startup_timeout", "startup_timeout", 1800.0, 0.1),
+        stop_grace=r.number(data, "stop_grace", "stop_grace", 10.0, 0),
+        probe_interval=r.number(data, "probe_interval", "probe_interval", 60.0, 0.1),
+        recovery=_recovery(r, data["recovery"]) if "recovery" in data else RecoverySpec(),
+    )
+
+
+CHECKPOINT_KEYS = {"every_epochs", "keep", "every_steps", "every_seconds", "keep_every_epochs",
+                   "keep_best", "local_dir", "remount", "flush_timeout", "upload_backoff"}
+
+
+def _checkpoint_spec(r: _Reader, c, name: str, run_dir: str) -> CheckpointSpec:
+    from orchestrator.core.rundir import default_local_dir
+
+    r.mapping(c, "checkpoint", CHECKPOINT_KEYS)
+    best, mode = None, "min"
+    if c.get("keep_best") is not None:
+        b = r.mapping(c["keep_best"], "checkpoint.keep_best", {"metric", "mode"}, {"metric"})
+        best = r.string(b, "metric", "checkpoint.keep_best.metric")
+        mode = r.string(b, "mode", "checkpoint.keep_best.mode", "min", ("min", "max"))
+    local = r.string(c, "local_dir", "checkpoint.local_dir", None)
+    local = (os.path.abspath(os.path.expanduser(local)) if local
+             else default_local_dir(name, run_dir))
+    if os.path.normpath(local) == os.path.normpath(os.path.join(run_dir, "checkpoints")):
+        r.fail("checkpoint.local_dir", "expected a local folder other than the run directory's "
+               "checkpoints/ (that is the durable tier)")
+    remount = r.string(c, "remount", "checkpoint.remount", None)
+    if remount is not None and remount != "colab" and not _FACTORY_RE.match(remount):
+        r.fail("checkpoint.remount", f"expected 'colab' or 'module:function', got {remount!r}")
+    b = {}
+    if "upload_backoff" in c:
+        b = r.mapping(c["upload_backoff"], "checkpoint.upload_backoff", {"initial", "max"})
+    return CheckpointSpec(
+        every_epochs=r.integer(c, "every_epochs", "checkpoint.every_epochs", 1, 1),
+        keep=r.integer(c, "keep", "checkpoint.keep", 3, 1),
+        every_steps=r.integer(c, "every_steps", "checkpoint.every_steps", None, 1),
+        every_seconds=r.number(c, "every_seconds", "checkpoint.every_seconds", None, 0.1),
+        keep_every_epochs=r.integer(c, "keep_every_epochs", "checkpoint.keep_every_epochs",
+                                    None, 1),
+        keep_best=best,
+        keep_best_mode=mode,
+        local_dir=local,
+        remount=remount,
+        flush_timeout=r.number(c, "flush_timeout", "checkpoint.flush_timeout", 600.0, 0),
+        upload_backoff_initial=r.number(b, "initial", "checkpoint.upload_backoff.initial", 1.0,
+                                        0),
+        upload_backoff_max=r.number(b, "max", "checkpoint.upload_backoff.max", 60.0, 0),
+    )

@@ -1,0 +1,1 @@
+"""The operator's commands: status, timeline, report, doctor, diagnose. No TensorFlow."""

@@ -1,0 +1,280 @@
+"""``orchestrator doctor``: what this runtime offers, and what would make a run fail.
+
+Checks, each ``ok``, ``warn`` or ``fail``: the TensorFlow distribution(s) installed (read with
+importlib.metadata, without importing TensorFlow here) and, in a probe subprocess, whether that
+TensorFlow imports and has TPU kernels (``ConfigureDistributedTPU``, the op a plain
+``tensorflow`` installed over ``tensorflow-tpu`` loses); the accelerator in sight (TPU node,
+TPU VM, GPU or none, with ``probes``, which never touch the chip) and whether it answers; the
+run directory (on a mounted Drive? writable?), free disk and memory, and pip (for the
+reinstall action). Exit status 1 when a run would fail.
+"""
+from __future__ import annotations
+
+import glob
+import importlib.metadata
+import json
+import os
+import shutil
+import subprocess
+import sys
+import uuid
+from dataclasses import asdict, dataclass
+
+from orchestrator.recovery import probes
+
+OK, WARN, FAIL = "ok", "warn", "fail"
+TF_DISTRIBUTIONS = ("tensorflow", "tensorflow-cpu", "tensorflow-tpu", "tensorflow-gpu",
+                    "tensorflow-intel", "tensorflow-macos", "tf-nightly", "tf-nightly-cpu",
+                    "tf-nightly-tpu")
+TPU_DISTRIBUTIONS = ("tensorflow-tpu", "tf-nightly-tpu", "libtpu", "libtpu-nightly")
+DRIVE_ROOT = "/content/drive"
+MIN_DISK_GB, LOW_DISK_GB, LOW_MEMORY_GB = 1.0, 5.0, 1.0
+PROBE_TIMEOUT_S = 300
+_PROBE_TAG = "DOCTOR-PROBE "
+_PROBE = r"""
+import json, os, sys
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+out = {}
+try:
+    import tensorflow as tf
+    from tensorflow.python.framework import kernels
+    out["version"] = tf.__version__
+    op = kernels.get_registered_kernels_for_op("ConfigureDistributedTPU")
+    out["tpu_kernels"] = len(op.kernel) > 0
+    if "--devices" in sys.argv:
+        out["gpus"] = len(tf.config.list_physical_devices("GPU"))
+except Exception as exc:
+    out["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0]
+print(%r + json.dumps(out), flush=True)
+""" % _PROBE_TAG
+
+
+@dataclass
+class Check:
+    name: str
+    level: str
+    detail: str
+
+
+def _norm(name: str) -> str:
+    return name.lower().replace("_", "-")
+
+
+def installed_distributions(names) -> dict[str, str]:
+    """``{distribution: version}`` of those in ``names`` installed for this Python."""
+    wanted = {_norm(n) for n in names}
+    found = {}
+    for d in importlib.metadata.distributions():
+        n = _norm(d.metadata.get("Name") or "")
+        if n in wanted:
+            found[n] = d.version
+    return found
+
+
+def tensorflow_probe(python: str = sys.executable, devices: bool = True,
+                     timeout: float = PROBE_TIMEOUT_S) -> dict:
+    """Import TensorFlow in a fresh process: version, TPU kernels, GPUs it sees (or error)."""
+    cmd = [python, "-c", _PROBE] + (["--devices"] if devices else [])
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                           stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        return {"error": f"importing TensorFlow took longer than {timeout:g} s"}
+    for line in p.stdout.splitlines():
+        if line.startswith(_PROBE_TAG):
+            return json.loads(line[len(_PROBE_TAG):])
+    tail = (p.stderr.strip().splitlines() or ["no output"])[-1]
+    return {"error": f"the probe exited {p.returncode}: {tail}"}
+
+
+def check_tensorflow(dists: dict, probe: dict | None, wants_tpu: bool) -> list[Check]:
+    tf = {k: v for k, v in dists.items() if k in TF_DISTRIBUTIONS}
+    tpu_static = any(k in TPU_DISTRIBUTIONS for k in dists)
+    listed = ", ".join(f"{k} {v}" for k, v in sorted(tf.items()))
+    if not tf:
+        return [Check("tensorflow", FAIL, "no TensorFlow distribution is installed for "
+                      f"{sys.executable}: install orchestrator[cpu] or [tensorflow]; on a Colab "
+                      "TPU runtime the pinned tensorflow-tpu, never plain tensorflow")]
+    out = []
+    if len(tf) > 1:
+        out.append(Check("tensorflow", FAIL, f"several TensorFlow distributions are installed "
+                         f"({listed}); they share one `tensorflow` package and the last one "
+                         "installed wins (how TPU kernels go missing): uninstall all but one"))
+    else:
+        out.append(Check("tensorflow", OK, listed))
+    if probe is None:
+        kernels = tpu_static
+        how = "judged by the distributions installed; probe skipped"
+    elif probe.get("error"):
+        return out + [Check("tensorflow import", FAIL, f"TensorFlow does not import in a fresh "
+                            f"process: {probe['error']}")]
+    else:
+        kernels = bool(probe.get("tpu_kernels"))
+        how = f"TensorFlow {probe.get('version')} imports"
+        out.append(Check("tensorflow import", OK, how))
+    level = OK if kernels or not wants_tpu else FAIL
+    detail = ("has TPU kernels" if kernels else
+              "no TPU kernels (no ConfigureDistributedTPU): fine off TPU") + f" ({how})"
+    if level == FAIL:
+        detail = ("no TPU kernels but a TPU is in sight and the job may use it: the run would "
+                  "fail with No OpKernel ... 'ConfigureDistributedTPU'; install the "
+                  "tensorflow-tpu that matches the runtime") + f" ({how})"
+    out.append(Check("tpu kernels", level, detail))
+    return out
+
+
+def find_accelerator(env) -> probes.ProbeResult:
+    """What a worker would run on here: TPU node, TPU VM, GPU or CPU, probed from outside."""
+    node = probes.tpu_node_address(env)
+    if node:
+        return probes.probe_tpu_node(*node)
+    if any(glob.glob(g) for g in probes.TPU_DEVICE_GLOBS):
+        return probes.probe_tpu_vm()
+    if shutil.which("nvidia-smi", path=env.get("PATH")):
+        return probes.probe_gpu(env)
+    return probes.probe_cpu()
+
+
+def check_accelerator(found: probes.ProbeResult, strategy: str, probe: dict | None
+                      ) -> list[Check]:
+    wanted = {"auto": None, "tpu": "tpu", "gpu": "gpu", "cpu": "cpu"}.get(strategy)
+    family = "tpu" if found.accelerator.startswith("tpu") else found.accelerator
+    uses_it = wanted in (None, family)
+    label = f"{found.accelerator.replace('_', ' ').upper()}: {found.detail}"
+    out = []
+    if wanted not in (None, "cpu") and family != wanted:
+        out.append(Check("accelerator", FAIL, f"strategy '{strategy}' but no {wanted.upper()} "
+                         f"in sight (found {label})"))
+    elif not found.ok:
+        out.append(Check("accelerator", FAIL if uses_it else WARN,
+                         f"{label} - it does not answer ({found.state})"))
+    else:
+        out.append(Check("accelerator", OK, label + " - answers"))
+    if family == "gpu" and found.ok and probe and probe.get("gpus") == 0 and uses_it:
+        out.append(Check("tensorflow gpu", FAIL if wanted == "gpu" else WARN,
+                         "the GPU answers but TensorFlow sees none (a CPU-only build such as "
+                         "tensorflow-cpu?): the run would train on the CPU"))
+    return out
+
+
+def _existing_parent(path: str) -> str:
+    p = os.path.abspath(path)
+    while not os.path.exists(p):
+        p = os.path.dirname(p)
+    return p
+
+
+def check_run_dir(run_dir: str, env, drive_root: str = DRIVE_ROOT,
+                  ismount=os.path.ismount) -> list[Check]:
+    path = os.path.abspath(run_dir)
+    out = []
+    on_drive = path == drive_root or path.startswith(drive_root.rstrip("/") + "/")
+    if on_drive and not ismount(drive_root):
+        return [Check("run dir", FAIL, f"{path} is under {drive_root}, which is not mounted: "
+                      "mount Drive first (drive.mount('/content/drive')); files written there "
+                      "now stay on the VM's disk and block the mount later")]
+    if on_drive:
+        out.append(Check("run dir", OK, f"{path} is on the mounted Drive ({drive_root})"))
+    elif env.get("COLAB_RELEASE_TAG"):
+        out.append(Check("run dir", WARN, f"{path} is on the VM's own disk: it is lost when the "
+                         "runtime is recycled; put run_dir under /content/drive/MyDrive"))
+    else:
+        out.append(Check("run dir", OK, f"{path} (local disk)"))
+    where = _existing_parent(path)
+    probe_file = os.path.join(where, f".orchestrator-doctor-{uuid.uuid4().hex[:8]}")
+    try:
+        if not os.path.isdir(where):
+            raise NotADirectoryError(f"{where} is a file, not a directory")
+        with open(probe_file, "wb") as f:
+            f.write(b"ok")
+            f.flush()
+            os.fsync(f.fileno())
+        os.remove(probe_file)
+        out.append(Check("writable", OK, f"wrote, synced and removed a file in {where}"))
+    except OSError as exc:
+        out.append(Check("writable", FAIL, f"cannot write in {where}: {exc}"))
+        return out
+    free = shutil.disk_usage(where).free / 2**30
+    level = FAIL if free < MIN_DISK_GB else WARN if free < LOW_DISK_GB else OK
+    out.append(Check("disk", level, f"{free:.1f} GiB free at {where}"
+                     + (f" (a run needs room for checkpoints: at least {MIN_DISK_GB:g} GiB)"
+                        if level == FAIL else "")))
+    return out
+
+
+def check_memory(meminfo: str = "/proc/meminfo") -> Check:
+    try:
+        with open(meminfo, encoding="ascii") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+        avail = int(fields["MemAvailable"].split()[0]) / 2**20
+        total = int(fields["MemTotal"].split()[0]) / 2**20
+    except (OSError, KeyError, ValueError) as exc:
+        return Check("memory", WARN, f"unknown ({meminfo}: {exc})")
+    level = WARN if avail < LOW_MEMORY_GB else OK
+    return Check("memory", level, f"{avail:.1f} GiB available of {total:.1f} GiB")
+
+
+def check_pip(python: str = sys.executable) -> Check:
+    try:
+        p = subprocess.run([python, "-m", "pip", "--version"], capture_output=True, text=True,
+                           timeout=60, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return Check("pip", WARN, f"pip did not run: {exc} (the reinstall action needs it)")
+    if p.returncode != 0:
+        return Check("pip", WARN, f"`{python} -m pip` is not available (exit {p.returncode}): "
+                     "the TensorFlow reinstall action cannot run")
+    return Check("pip", OK, p.stdout.strip().split(" from ")[0])
+
+
+def diagnose(run_dir: str, strategy: str = "auto", env=None, run_probe: bool = True,
+             python: str = sys.executable, drive_root: str = DRIVE_ROOT,
+             ismount=os.path.ismount) -> list[Check]:
+    """All checks, in the order a person reads them."""
+    env = dict(os.environ if env is None else env)
+    found = find_accelerator(env)
+    wants_tpu = found.accelerator.startswith("tpu") and strategy in ("auto", "tpu")
+    dists = installed_distributions(TF_DISTRIBUTIONS + TPU_DISTRIBUTIONS)
+    tf_installed = any(k in TF_DISTRIBUTIONS for k in dists)
+    probe = (tensorflow_probe(python, devices=not found.accelerator.startswith("tpu"))
+             if run_probe and tf_installed else None)
+    checks = [Check("python", OK, f"{sys.version.split()[0]} ({python})")]
+    checks += check_tensorflow(dists, probe, wants_tpu)
+    checks += check_accelerator(found, strategy, probe)
+    checks += check_run_dir(run_dir, env, drive_root, ismount)
+    checks.append(check_memory())
+    checks.append(check_pip(python))
+    return checks
+
+
+def run(job: str | None = None, run_dir: str | None = None, **kw) -> list[Check]:
+    """The checks for ``job`` (its run_dir and strategy), or for ``run_dir`` with no job."""
+    from orchestrator.core.spec import SpecError, load
+
+    strategy, first = "auto", []
+    if job is not None:
+        try:
+            spec = load(job, run_dir=run_dir)
+        except SpecError as exc:
+            first.append(Check("job", FAIL, str(exc)))
+        else:
+            strategy, run_dir = spec.strategy, spec.run_dir
+            first.append(Check("job", OK, f"{spec.job_path}: strategy {strategy}, "
+                               f"{spec.epochs} epochs"))
+    return first + diagnose(run_dir or os.getcwd(), strategy, **kw)
+
+
+def would_fail(checks: list[Check]) -> bool:
+    return any(c.level == FAIL for c in checks)
+
+
+def format_checks(checks: list[Check]) -> str:
+    lines = [f"  {c.level.upper():<5} {c.name:<18} {c.detail}" for c in checks]
+    bad = [c.name for c in checks if c.level == FAIL]
+    lines.append("a run would FAIL: fix " + ", ".join(bad) if bad else
+                 "nothing here would stop a run")
+    return "\n".join(lines)
+
+
+def as_json(checks: list[Check]) -> str:
+    return json.dumps({"would_fail": would_fail(checks),
+                       "checks": [asdict(c) for c in checks]}, indent=2)

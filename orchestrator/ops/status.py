@@ -1,0 +1,187 @@
+"""Where a run stands, read from its directory alone (journal, checkpoints, lock, heartbeat).
+
+``run_status`` is the machine-readable answer (``orchestrator status --json``), and
+``format_status`` the few lines a person reads. Goodput and time lost are defined in
+``timeline``.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+from orchestrator.core import heartbeat
+
+from orchestrator.ops import timeline
+from orchestrator.core.formatting import fmt_duration, fmt_metrics
+from orchestrator.checkpoint.store import CheckpointStore
+from orchestrator.core.journal import Journal
+from orchestrator.core.lock import FILE as LOCK_FILE, RunLock
+from orchestrator.core.osutil import read_json
+from orchestrator.core.rundir import RunDir
+from orchestrator.core.spec import SpecError, load
+
+
+def load_run(run_dir: str):
+    """``(RunDir, events, running)`` of a run directory; FileNotFoundError if it is none."""
+    rd = RunDir(os.path.abspath(run_dir))
+    if not os.path.isfile(rd.journal):
+        raise FileNotFoundError(f"{run_dir}: not a run directory (no events.jsonl)")
+    lock = read_json(os.path.join(rd.root, LOCK_FILE))
+    # a live owner, or one on another host not yet silent for long (a recycled VM's is)
+    running = lock is not None and RunLock(rd.root).stale_reason(lock) is None
+    return rd, Journal(rd.journal).events(), running
+
+
+def run_status(run_dir: str, now: float | None = None) -> dict:
+    now = time.time() if now is None else now
+    rd, events, running = load_run(run_dir)
+    info = read_json(rd.run_info) or {}
+    tl = timeline.build(events, running=running, now=now)
+    acct = timeline.account(tl)
+    epochs_total = next((e.get("epochs") for e in reversed(events)
+                         if e["event"] in timeline.SESSION_START), None)
+    durable = CheckpointStore(rd.checkpoints)  # the run directory's: the durable tier
+    try:
+        durable_latest, durable_error = durable.latest_valid(), None
+    except OSError as exc:
+        durable_latest, durable_error = None, str(exc)
+    try:  # the local tier is known from the run's job copy (and exists on its machine only)
+        local = CheckpointStore(load(rd.job_copy, run_dir=rd.root).checkpoint.local_dir)
+        local_latest = local.latest_valid()
+    except (SpecError, OSError):
+        local_latest = None
+    latest = max((c for c in (local_latest, durable_latest) if c), key=lambda c: c.step,
+                 default=None)
+    tier_event = next((e for e in reversed(events)
+                       if e["event"] in ("durable_unreachable", "durable_restored")), None)
+    last = tl.sessions[-1].how if tl.sessions else "ended"
+    state = {"running": "running", "completed": "completed", "failed": "failed"}.get(
+        last, "stopped")  # stopped: interrupted or stopped; `run` resumes it
+    hb = heartbeat.read(rd.root)
+    current = tl.attempts[-1] if tl.attempts else None
+    live = None
+    if running and hb and current and hb.get("attempt") == current.n:
+        live = {"epoch": hb.get("epoch"), "batch": hb.get("batch"),
+                "steps_per_epoch": current.steps_per_epoch, "phase": hb.get("phase")}
+    failed = [a for a in tl.attempts if a.failed]
+    completed = next((e for e in reversed(events) if e["event"] == "run_completed"), None)
+    run_failed = next((e for e in reversed(events) if e["event"] == "run_failed"), None)
+    return {
+        "run_dir": rd.root,
+        "name": info.get("name") or os.path.basename(rd.root),
+        "state": state,
+        "attempt": current.n if current else 0,
+        "epoch": latest.epoch if latest else 0,
+        "epochs": epochs_total,
+        "step": latest.step if latest else 0,
+        "live": live,
+        "attempts": len(tl.attempts),
+        "failed_attempts": len(failed),
+        "restarts": sum(1 for e in events if e["event"] == "restart"),
+        "restarts_by_kind": timeline.restarts_by_kind(tl),
+        "faults_by_kind": _count(a.kind for a in failed),
+        "goodput": acct["goodput"],
+        "wall_s": acct["wall_s"],
+        "useful_s": acct["useful_s"],
+        "lost_to_faults_s": acct["lost_to_faults_s"],
+        "time_by_cause_s": acct["by_cause_s"],
+        "away_s": acct["away_s"],
+        "last_checkpoint": _checkpoint(latest),
+        "checkpoints_by_tier": _tiers(events, durable_latest, local_latest),
+        "durable_unreachable_since": (tier_event["ts"] if running and tier_event and
+                                      tier_event["event"] == "durable_unreachable" else None),
+        "durable_error": durable_error,
+        "last_error": _last_error(failed, run_failed),
+        "failure": None if run_failed is None or state != "failed" else {
+            k: run_failed.get(k) for k in ("kind", "reason", "evidence", "tried")
+            if run_failed.get(k) is not None},
+        "heartbeat_age_s": round(now - hb["time"], 1) if hb and running else None,
+        "supervisor": read_json(os.path.join(rd.root, LOCK_FILE)),
+        "weights_sha256": completed.get("weights_sha256") if completed else None,
+        "metrics": next((e.get("metrics") for e in reversed(events)
+                         if e["event"] == "epoch_completed"), None),
+    }
+
+
+def _count(items) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for k in items:
+        out[k] = out.get(k, 0) + 1
+    return out
+
+
+def _checkpoint(c) -> dict | None:
+    if c is None:
+        return None
+    return {"epoch": c.epoch, "step": c.step, "path": c.path,
+            "committed_at": c.manifest.get("committed_at"), "verified": True}
+
+
+def _tiers(events: list[dict], run_dir, local) -> dict:
+    """The newest checkpoint in each tier: the run directory's and the local tier's (verified
+    now; the local one where this machine holds it), and each tier the journal names
+    (``checkpoint_durable`` events, or checkpoint events with a ``tier``)."""
+    tiers = {"run_dir": _checkpoint(run_dir)}
+    if local is not None:
+        tiers["local"] = _checkpoint(local)
+    for e in events:
+        ev = e.get("event", "")
+        tier = "durable" if ev == "checkpoint_durable" else \
+            e.get("tier") if ev.startswith("checkpoint_") else None
+        if tier and tier != "run_dir" and "skipped" not in ev:
+            tiers[tier] = {"epoch": e.get("epoch"), "step": e.get("step"),
+                           "path": e.get("path") or e.get("dest"), "committed_at": e["ts"],
+                           "verified": e.get("verified")}
+    return tiers
+
+
+def _last_error(failed: list, run_failed: dict | None) -> str | None:
+    if not failed:
+        return None
+    a = failed[-1]
+    line = timeline.error_line(a.error)
+    if line is None and run_failed and a.n == run_failed.get("last_attempt"):
+        line = timeline.error_line(run_failed.get("error"))
+    return f"attempt {a.n} ({a.kind}): {line or a.how}"
+
+
+def format_status(s: dict, now: float | None = None) -> str:
+    now = time.time() if now is None else now
+    where = f"epoch {s['epoch']}/{s['epochs']}, step {s['step']}"
+    live = s.get("live")
+    if live and live.get("batch") is not None:
+        spe = live.get("steps_per_epoch")
+        where += f" (in epoch {live['epoch'] + 1}: batch {live['batch']}" + \
+                 (f"/{spe})" if spe else ")")
+    lines = [f"run {s['name']} ({s['run_dir']}): {s['state'].upper()}",
+             f"  {where}; attempt {s['attempt']}"]
+    kinds = ", ".join(f"{k} {n}" for k, n in s["restarts_by_kind"].items())
+    lines.append(f"  restarts: {s['restarts']}" + (f" ({kinds})" if kinds else "") +
+                 f"; failed attempts: {s['failed_attempts']}")
+    if s["goodput"] is not None:
+        lost = ", ".join(f"{k} {fmt_duration(v)}" for k, v in s["time_by_cause_s"].items())
+        lines.append(f"  goodput: {s['goodput']:.1%} (useful {fmt_duration(s['useful_s'])} of "
+                     f"{fmt_duration(s['wall_s'])} supervised); lost to faults: "
+                     f"{fmt_duration(s['lost_to_faults_s'])}")
+        if lost:
+            lines.append(f"  time by cause: {lost}")
+    for tier, c in s["checkpoints_by_tier"].items():
+        if c is None:
+            lines.append(f"  last checkpoint ({tier}): none")
+            continue
+        age = f", {fmt_duration(now - c['committed_at'])} ago" if c.get("committed_at") else ""
+        lines.append(f"  last checkpoint ({tier}): epoch {c['epoch']}, step {c['step']}{age}")
+    if s.get("durable_unreachable_since"):
+        lines.append(f"  durable tier unreachable for "
+                     f"{fmt_duration(now - s['durable_unreachable_since'])}; training goes on")
+    if s.get("durable_error"):
+        lines.append(f"  durable tier: {s['durable_error']}")
+    if s["metrics"]:
+        lines.append("  last metrics: " + fmt_metrics(s["metrics"]))
+    if s["last_error"]:
+        lines.append(f"  last error: {s['last_error']}")
+    if s.get("failure"):
+        lines.append(f"  failed: {s['failure'].get('reason')}")
+    if s["weights_sha256"]:
+        lines.append(f"  weights sha256: {s['weights_sha256']}")
+    return "\n".join(lines)

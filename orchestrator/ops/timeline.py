@@ -1,0 +1,256 @@
+"""The run's history as sessions, attempts and faults, and where its wall time went.
+
+Read from the journal alone, so that ``status``, ``report`` and the progress line agree, and so
+that a run can be judged after the machine that ran it is gone. This is the one place goodput is
+defined (see ``account``). Fields added by later versions of the supervisor (an attempt's
+``kind``, ``recovery`` events) are used when present; older journals fall back to what the exit
+status says.
+
+Goodput = useful / wall, where, from journal timestamps:
+  * wall: the sum of supervisor sessions, each from its ``run_started``/``run_resumed`` to its
+    ``run_completed``/``run_failed``/``supervisor_stopped`` (or to its last event when the
+    supervisor vanished, or to now while it runs). Time with no supervisor (a recycled VM nobody
+    restarted yet) is ``away``, outside wall time.
+  * useful: per attempt, from its first training step (``first_step``; else ``worker_ready``;
+    else its start) to its last committed checkpoint: training whose result was kept.
+Everything else in wall time is charged to one cause: ``startup`` (a session's first worker
+starting up), a fault kind (progress lost after the last checkpoint of the failed attempt, the
+wait before the next attempt and that attempt's start-up), ``stopped`` (progress lost when the
+supervisor was stopped), ``overhead`` (the supervisor's own bits, the final checkpoint's exit)
+or ``in_progress`` (the running attempt's training since its last checkpoint: not lost yet).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from orchestrator.recovery.failures import kind_of
+
+NOT_LOST = ("useful", "in_progress")
+NOT_FAULTS = ("startup", "overhead", "stopped")  # lost, but to no fault
+SESSION_START = ("run_started", "run_resumed")
+SESSION_END = ("run_completed", "run_failed", "supervisor_stopped")
+CHECKPOINT_EVENTS = ("checkpoint_committed",)
+
+
+@dataclass
+class Attempt:
+    n: int
+    started: float
+    session: int
+    from_epoch: int = 0
+    ready: float | None = None
+    first_step: float | None = None
+    last_commit: float | None = None
+    ended: float | None = None
+    exit_code: int | None = None
+    signal: str | None = None
+    kind: str | None = None       # why it failed; None while running or when it succeeded
+    actions: list = field(default_factory=list)
+    how: str = ""                 # how it ended: "killed by SIGKILL", "exit code 1"
+    error: dict | None = None
+    epoch: int | None = None      # epochs completed when it ended
+    steps_per_epoch: int | None = None
+
+    @property
+    def failed(self) -> bool:
+        return self.kind is not None
+
+    @property
+    def training_start(self) -> float:
+        return self.first_step or self.ready or self.started
+
+
+@dataclass
+class Session:
+    started: float
+    ended: float
+    how: str    # completed | failed | stopped | vanished | running | ended
+    attempts: list = field(default_factory=list)
+
+
+@dataclass
+class Fault:
+    ts: float
+    attempt: int | None
+    kind: str
+    action: str
+    detail: str
+
+
+@dataclass
+class Timeline:
+    sessions: list
+    attempts: list
+    faults: list
+    markers: list         # (ts, event name, detail): injections, hangs, recoveries
+    epochs: list          # epoch_completed events, in journal order
+    events: list
+
+    @property
+    def started(self) -> float | None:
+        return self.sessions[0].started if self.sessions else None
+
+
+
+
+def error_line(error: dict | None) -> str | None:
+    """``Type: first line of the message``, or None."""
+    if not error:
+        return None
+    msg = (error.get("message") or "").strip().splitlines()
+    return f"{error.get('type') or 'Error'}: {msg[0] if msg else ''}".rstrip(": ")
+
+
+def build(events: list[dict], running: bool = False, now: float | None = None) -> Timeline:
+    """Sessions, attempts, faults from the journal. ``running``: the last session is live."""
+    now = time.time() if now is None else now
+    sessions: list[Session] = []
+    attempts: dict[int, Attempt] = {}
+    current: Attempt | None = None
+    markers, epochs = [], []
+    for e in events:
+        ev, ts = e.get("event"), e.get("ts", 0.0)
+        if ev in SESSION_START:
+            if sessions and sessions[-1].how == "open":
+                _close(sessions[-1], current)
+            sessions.append(Session(started=ts, ended=ts, how="open"))
+            current = None
+            continue
+        if not sessions:
+            sessions.append(Session(started=ts, ended=ts, how="open"))
+        s = sessions[-1]
+        if s.how == "open":
+            s.ended = max(s.ended, ts)
+        if ev == "attempt_started":
+            current = Attempt(n=e["attempt"], started=ts, session=len(sessions) - 1,
+                              from_epoch=e.get("from_epoch", 0))
+            attempts[current.n] = current
+            s.attempts.append(current)
+        elif ev == "worker_ready" and e.get("attempt") in attempts:
+            a = attempts[e["attempt"]]
+            a.ready, a.steps_per_epoch = ts, e.get("steps_per_epoch")
+        elif ev == "first_step" and e.get("attempt") in attempts:
+            attempts[e["attempt"]].first_step = ts
+        elif ev in CHECKPOINT_EVENTS and current is not None and current.ended is None:
+            current.last_commit = ts
+        elif ev == "epoch_completed":
+            epochs.append(e)
+        elif ev == "attempt_ended" and e.get("attempt") in attempts:
+            a = attempts[e["attempt"]]
+            a.ended, a.exit_code, a.signal = ts, e.get("exit_code"), e.get("signal")
+            a.kind, a.error, a.epoch = kind_of(e), e.get("error"), e.get("epoch")
+            a.how = _how(e)
+        elif ev == "recovery":
+            a = attempts.get(e.get("attempt"))
+            if a is not None:
+                a.kind = e.get("kind") or a.kind
+                if e.get("action") != "restart":  # a restart is told by its restart event
+                    a.actions.append(" ".join(str(x) for x in (e.get("action"), e.get("detail"))
+                                              if x))
+            markers.append((ts, ev, f"{e.get('kind')}: {e.get('action')}"))
+        elif ev == "restart":
+            a = attempts.get(e.get("after_attempt"))
+            if a is not None and not any(x.startswith("restart") for x in a.actions):
+                a.actions.append(f"restart in {e.get('delay_s', 0):.3g} s")
+        elif ev == "run_failed":
+            a = attempts.get(e.get("last_attempt"))
+            if a is not None:
+                a.kind = e.get("kind") or a.kind or "unknown"
+                a.actions.append("gave up: " + (e.get("reason") or ""))
+        elif ev in ("fault_injected", "hang_detected", "lock_taken_over",
+                    "orphan_worker_killed"):
+            detail = e.get("fault") or e.get("kind") or ""
+            markers.append((ts, ev, str(detail)))
+        if ev in SESSION_END and s.how == "open":
+            s.how = {"run_completed": "completed", "run_failed": "failed",
+                     "supervisor_stopped": "stopped"}[ev]
+            s.ended = ts
+    if sessions and sessions[-1].how == "open":
+        if running:
+            sessions[-1].how, sessions[-1].ended = "running", max(now, sessions[-1].ended)
+        else:
+            _close(sessions[-1], current)
+    for s in sessions:
+        for a in s.attempts:
+            if a.ended is None and s.how != "running":
+                a.ended = s.ended
+                if s.how == "stopped":
+                    a.kind, a.how = a.kind or "stopped", "stopped with the supervisor"
+                else:
+                    a.kind = a.kind or "killed"
+                    a.how = "the supervisor vanished (VM recycled or killed)"
+                    a.actions.append("resumed by the next `orchestrator run`"
+                                     if s is not sessions[-1] else "none yet: run it again")
+    faults = [Fault(ts=a.ended, attempt=a.n, kind=a.kind, action="; ".join(a.actions) or "none",
+                    detail=error_line(a.error) or a.how)
+              for a in attempts.values() if a.failed]
+    return Timeline(sessions=sessions, attempts=list(attempts.values()), faults=faults,
+                    markers=markers, epochs=epochs, events=events)
+
+
+def _how(ended: dict) -> str:
+    how = f"killed by {ended['signal']}" if ended.get("signal") else \
+        f"exit code {ended.get('exit_code')}"
+    return how + (f" [{ended['signature']}]" if ended.get("signature") else "")
+
+
+def _close(s: Session, current: Attempt | None) -> None:
+    s.how = "vanished" if current is not None and current.ended is None else "ended"
+
+
+def segments(tl: Timeline) -> list[tuple[str, float, float]]:
+    """Wall time cut into ``(cause, t0, t1)`` pieces, in order (see the module docstring)."""
+    out: list[tuple[str, float, float]] = []
+
+    def charge(cause: str, t0: float | None, t1: float | None) -> None:
+        if t0 is not None and t1 is not None and t1 > t0:
+            out.append((cause, t0, t1))
+
+    previous_kind = None  # a restart's wait and start-up are charged to what caused it
+    for s in tl.sessions:
+        t = s.started
+        for a in s.attempts:
+            charge(previous_kind or "overhead", t, a.started)
+            train0 = min(a.training_start, a.ended or a.training_start)
+            charge(previous_kind or "startup", a.started, train0)
+            end = a.ended if a.ended is not None else s.ended
+            tail0 = train0
+            if a.last_commit is not None and a.last_commit > train0:
+                charge("useful", train0, a.last_commit)
+                tail0 = a.last_commit
+            charge("in_progress" if a.ended is None else a.kind or "overhead", tail0, end)
+            t, previous_kind = end, a.kind
+        charge(previous_kind or "overhead", t, s.ended)
+    return out
+
+
+def account(tl: Timeline) -> dict:
+    """Seconds of wall time by cause (``useful`` and ``in_progress`` included), and goodput."""
+    by: dict[str, float] = {}
+    for cause, t0, t1 in segments(tl):
+        by[cause] = by.get(cause, 0.0) + (t1 - t0)
+    wall = sum(s.ended - s.started for s in tl.sessions)
+    away = sum(max(0.0, b.started - a.ended) for a, b in zip(tl.sessions, tl.sessions[1:]))
+    lost = {k: v for k, v in by.items() if k not in NOT_LOST}
+    faults_lost = sum(v for k, v in lost.items() if k not in NOT_FAULTS)
+    return {
+        "wall_s": round(wall, 3),
+        "useful_s": round(by.get("useful", 0.0), 3),
+        "goodput": round(by.get("useful", 0.0) / wall, 4) if wall > 0 else None,
+        "lost_to_faults_s": round(faults_lost, 3),
+        "by_cause_s": {k: round(v, 3) for k, v in sorted(by.items(), key=lambda kv: -kv[1])},
+        "away_s": round(away, 3),
+    }
+
+
+def restarts_by_kind(tl: Timeline) -> dict[str, int]:
+    """How many restarts followed each kind of failure."""
+    by_n = {a.n: a for a in tl.attempts}
+    out: dict[str, int] = {}
+    for e in tl.events:
+        if e.get("event") == "restart":
+            a = by_n.get(e.get("after_attempt"))
+            k = (a.kind if a else None) or "unknown"
+            out[k] = out.get(k, 0) + 1
+    return out

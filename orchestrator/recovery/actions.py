@@ -1,0 +1,116 @@
+"""Carrying out recovery actions, and what they change for the next worker attempts.
+
+recovery.py decides; this module does: it keeps the overrides the actions set (halved batch,
+fallen-back strategy, reinitialise once, reinstalls done), says which actions can apply now,
+runs the waits and the reinstall, and turns the overrides into the next worker's environment.
+The overrides are rebuilt from the journal's ``recovery`` events, so they outlive a supervisor.
+Supervisor side: never imports TensorFlow.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from orchestrator.recovery import probes
+from orchestrator.recovery.policy import Decision, next_strategy
+from orchestrator.recovery.reinstall import reinstall_tensorflow
+from orchestrator.core.rundir import ENV_BATCH_SIZE, ENV_REINIT, ENV_STRATEGY
+from orchestrator.core.spec import JobSpec
+
+
+class Remedies:
+    def __init__(self, spec: JobSpec, base_env: Callable[[], dict],
+                 own_pgid: Callable[[], int | None], sleep: Callable[[float], None], say):
+        self.spec, self.base_env, self.own_pgid = spec, base_env, own_pgid
+        self.sleep, self.say = sleep, say
+        self.batch_size, self.strategy = spec.batch_size, None
+        self.reinit_next = False
+        self.reinstalls = 0
+        self.ran_on: str | None = None  # tpu|gpu|cpu of the last worker that got ready
+
+    def recall(self, events: list[dict]) -> None:
+        """Recovery actions of earlier sessions still hold (halved batch, fallen-back strategy)."""
+        for e in events:
+            if e["event"] == "recovery":
+                self.batch_size = e.get("batch_size") or self.batch_size
+                self.strategy = e.get("strategy") or self.strategy
+                self.reinstalls += e.get("action") == "reinstall_tensorflow"
+            elif e["event"] == "worker_ready" and e.get("strategy_kind"):
+                self.ran_on = e["strategy_kind"]
+
+    def probe(self) -> Callable[[], probes.ProbeResult]:
+        """The probe for the accelerator the next (or current) attempt runs on."""
+        return probes.for_strategy(self.strategy or self.spec.strategy, self.base_env(),
+                                   own_pgid=self.own_pgid)
+
+    def worker_env(self, env: dict) -> dict:
+        """``env`` with the overrides for the next attempt."""
+        for key in (ENV_STRATEGY, ENV_BATCH_SIZE, ENV_REINIT):
+            env.pop(key, None)
+        if self.strategy:
+            env[ENV_STRATEGY] = self.strategy
+        if self.batch_size != self.spec.batch_size:
+            env[ENV_BATCH_SIZE] = str(self.batch_size)
+        if self.reinit_next:
+            env[ENV_REINIT] = "1"
+        return env
+
+    def applicable(self, action: str) -> str | None:
+        """None when ``action`` can be taken now, else why not (the policy skips the rung)."""
+        r = self.spec.recovery
+        if action == "reinstall_tensorflow":
+            if not r.reinstall_tensorflow:
+                return "not enabled (recovery.reinstall_tensorflow: false)"
+            if self.reinstalls >= r.reinstall_max:
+                return f"done {self.reinstalls} time(s) this run (recovery.reinstall_max)"
+        if action == "halve_batch":
+            if not r.halve_batch:
+                return "not enabled (recovery.halve_batch: false)"
+            if self.batch_size // 2 < r.min_batch_size:
+                return f"batch {self.batch_size} is at the minimum"
+        if action == "fallback_strategy":
+            if not r.strategy_fallback:
+                return "not enabled (recovery.strategy_fallback: false)"
+            if next_strategy(self.current_strategy()) is None:
+                return f"nothing below {self.current_strategy()}"
+        return None
+
+    def current_strategy(self) -> str:
+        if self.strategy:
+            return self.strategy
+        if self.spec.strategy != "auto":
+            return self.spec.strategy
+        if self.ran_on:
+            return self.ran_on
+        seen = self.probe()().accelerator
+        return "tpu" if seen.startswith("tpu") else seen
+
+    def apply(self, d: Decision, env: dict) -> tuple[str, dict]:
+        """Carry out ``d`` before the next attempt; returns (detail, extra journal fields)."""
+        if d.action == "reinit_accelerator":
+            self.reinit_next = True
+            return "the next attempt shuts down and initialises the accelerator system", {}
+        if d.action == "halve_batch":
+            old = self.batch_size
+            self.batch_size = max(self.spec.recovery.min_batch_size, old // 2)
+            return f"per-replica batch {old} -> {self.batch_size}", {"batch_size": self.batch_size}
+        if d.action == "fallback_strategy":
+            old, skipped = self.current_strategy(), []
+            self.strategy = next_strategy(old)
+            while self.strategy != "cpu" and not (res := self.probe()()).ok:
+                skipped.append(f"{self.strategy}: {res.detail}")  # no point in a dead one
+                self.strategy = next_strategy(self.strategy)
+            note = f" (passed over {'; '.join(skipped)})" if skipped else ""
+            return f"strategy {old} -> {self.strategy}{note}", {"strategy": self.strategy}
+        if d.action == "wait_accelerator":
+            r = self.spec.recovery
+            res, waited, count = probes.wait_until_ok(self.probe(), r.wait_initial, r.wait_max,
+                                                      r.wait_timeout, self.sleep)
+            return (f"waited {waited:.1f} s, {count} probe(s): {res.accelerator} {res.state}: "
+                    f"{res.detail}", {"probe": res.as_dict()})
+        if d.action == "reinstall_tensorflow":
+            self.say("reinstalling TensorFlow (recovery.reinstall_tensorflow)")
+            self.reinstalls += 1
+            result = reinstall_tensorflow(self.spec.recovery, env)
+            return result["detail"], {"reinstall": result}
+        return d.reason, {}  # restart: a fresh process is the remedy
+

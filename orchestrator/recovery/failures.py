@@ -1,0 +1,201 @@
+"""What kind of failure an attempt died of: signatures (data) matched against what it left.
+
+A failed attempt leaves an exit status or a signal, maybe an error record (the exception the
+worker caught) and its log. The kind decides the recovery, so it must come from the stable part
+of a message, whatever wrapper the failure came in. The signatures live in
+``failure_signatures.yaml`` next to this module; this module only normalises and matches.
+Supervisor side: never imports TensorFlow.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import re
+import signal
+from dataclasses import dataclass
+from importlib import resources
+
+import yaml
+
+from orchestrator.core.rundir import EXIT_CONFIG
+
+KINDS = ("accelerator_context", "accelerator_unavailable", "accelerator_busy", "out_of_memory",
+         "storage", "hang", "killed", "user_error", "unknown")
+IGNORE = "ignore"
+# Signals that come from outside (the user, the OOM killer, a recycled VM, our own stop).
+_KILL_SIGNALS = {signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP}
+LOG_TAIL_BYTES = 64 * 1024
+
+
+@dataclass(frozen=True)
+class Signature:
+    id: str
+    kind: str
+    match: tuple  # alternatives; each a tuple of normalised needles that must all occur
+    source: str = ""
+    raise_: dict | None = None
+    escalate: dict | None = None
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    kind: str
+    signature: str | None
+    evidence: str
+    escalate: dict | None = None
+
+    def as_dict(self) -> dict:
+        return {"kind": self.kind, "signature": self.signature, "evidence": self.evidence}
+
+
+def normalise(text: str) -> str:
+    """Lower case, escapes and every run of non-alphanumerics -> one space, padded."""
+    text = re.sub(r"\\[ntr\"']", " ", text.lower())
+    return " " + re.sub(r"[^a-z0-9]+", " ", text).strip() + " "
+
+
+@functools.lru_cache(maxsize=None)
+def catalogue(path: str | None = None) -> tuple[Signature, ...]:
+    """The signatures, in file order (default: the package's failure_signatures.yaml)."""
+    if path is None:
+        text = resources.files(__package__).joinpath("failure_signatures.yaml").read_text()
+        path = "orchestrator/recovery/failure_signatures.yaml"
+    else:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    entries = yaml.safe_load(text)
+    if not isinstance(entries, list):
+        raise ValueError(f"{path}: expected a list of signatures")
+    out = []
+    for i, e in enumerate(entries):
+        where = f"{path}: signature {i + 1} ({e.get('id') if isinstance(e, dict) else e!r})"
+        if not isinstance(e, dict) or not {"id", "kind", "match"} <= set(e):
+            raise ValueError(f"{where}: expected a mapping with id, kind and match")
+        if e["kind"] not in KINDS + (IGNORE,):
+            raise ValueError(f"{where}: key 'kind': expected one of {', '.join(KINDS)}, ignore")
+        alternatives = []
+        for alt in e["match"]:
+            needles = [alt] if isinstance(alt, str) else alt
+            if not isinstance(needles, list) or not all(isinstance(n, str) for n in needles):
+                raise ValueError(f"{where}: key 'match': expected strings or lists of strings")
+            alternatives.append(tuple(normalise(n) for n in needles))
+        out.append(Signature(e["id"], e["kind"], tuple(alternatives), e.get("source", ""),
+                             e.get("raise"), e.get("escalate")))
+    return tuple(out)
+
+
+def by_id(sig_id: str) -> Signature | None:
+    return next((s for s in catalogue() if s.id == sig_id), None)
+
+
+def injectable(kind: str) -> Signature | None:
+    """The first signature of ``kind`` that says which real exception to raise for it."""
+    return next((s for s in catalogue() if s.kind == kind and s.raise_), None)
+
+
+@dataclass(frozen=True)
+class Match:
+    signature: Signature
+    position: int
+    evidence: str
+
+
+def match_text(text: str, signatures=None) -> Match | None:
+    """The signature found last in ``text`` (ignored texts masked first), or None."""
+    if not text:
+        return None
+    signatures = catalogue() if signatures is None else signatures
+    lines = text.splitlines() or [text]
+    starts, parts, pos = [], [], 1
+    for line in lines:  # one space between lines: a message wrapped over lines still matches
+        part = normalise(line).strip()
+        starts.append(pos)
+        if part:
+            parts.append(part)
+            pos += len(part) + 1
+    norm = " " + " ".join(parts) + " "
+    for s in signatures:  # mask the known non-failures
+        if s.kind == IGNORE:
+            for alt in s.match:
+                for needle in alt:
+                    norm = norm.replace(needle, " " * len(needle))
+    best: tuple[int, int, Signature] | None = None
+    for order, s in enumerate(signatures):
+        if s.kind == IGNORE:
+            continue
+        for alt in s.match:
+            found = [norm.rfind(n) for n in alt]
+            if min(found) < 0:
+                continue
+            p = max(found)
+            if best is None or p > best[0]:
+                best = (p, order, s)
+    if best is None:
+        return None
+    p, _, sig = best
+    line_no = max(i for i, st in enumerate(starts) if st <= p + 1)  # needles start with ' '
+    return Match(sig, p, lines[line_no].strip()[:300])
+
+
+def read_tail(path: str, nbytes: int = LOG_TAIL_BYTES) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.path.getsize(path) - nbytes))
+            return f.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+
+
+def _signal_name(n: int) -> str:
+    try:
+        return signal.Signals(n).name
+    except ValueError:
+        return f"signal {n}"
+
+
+def classify(exit_code: int | None = None, error: dict | None = None, log: str = "",
+             hang_s: float | None = None) -> Diagnosis:
+    """The kind of one failed attempt, from the most to the least specific evidence."""
+    if hang_s is not None:
+        return Diagnosis("hang", None, f"no heartbeat for {hang_s:.1f} s")
+    if error and error.get("fatal"):
+        return Diagnosis("user_error", None, _error_line(error))
+    if exit_code is not None and exit_code < 0 and -exit_code in _KILL_SIGNALS:
+        return Diagnosis("killed", None, f"killed by {_signal_name(-exit_code)}")
+    if error:
+        text = f"{error.get('qualified_type') or error.get('type')}: {error.get('message', '')}"
+        m = match_text(text)
+        if m:
+            return Diagnosis(m.signature.kind, m.signature.id, _error_line(error),
+                             m.signature.escalate)
+    m = match_text(log)
+    if m:
+        return Diagnosis(m.signature.kind, m.signature.id, m.evidence, m.signature.escalate)
+    if exit_code == EXIT_CONFIG:
+        return Diagnosis("user_error", None, f"exit code {EXIT_CONFIG} (configuration)")
+    if exit_code is not None and exit_code > 128 and exit_code - 128 in _KILL_SIGNALS:
+        return Diagnosis("killed", None, f"exit code {exit_code} ({_signal_name(exit_code - 128)})")
+    if error:
+        return Diagnosis("unknown", None, _error_line(error))
+    if exit_code is not None and exit_code < 0:
+        return Diagnosis("unknown", None, f"killed by {_signal_name(-exit_code)}")
+    return Diagnosis("unknown", None, f"exit code {exit_code}" if exit_code is not None
+                     else "no known signature")
+
+
+def _error_line(error: dict) -> str:
+    msg = (error.get("message") or "").strip().splitlines()
+    return f"{error.get('type')}: {msg[0] if msg else ''}"[:300]
+
+def kind_of(ended: dict) -> str | None:
+    """The failure kind of an ``attempt_ended`` event, None for a success."""
+    if ended.get("kind"):
+        return ended["kind"]
+    code = ended.get("exit_code")
+    if code == 0:
+        return None
+    if ended.get("signal") or (isinstance(code, int) and code < 0):
+        return "killed"
+    if code == EXIT_CONFIG:
+        return "user_error"
+    return "unknown"

@@ -1,0 +1,244 @@
+"""Fault injection inside the worker, so every recovery path can be exercised for real.
+
+``orchestrator run JOB --fault SPEC`` (repeatable) hands these to each worker attempt
+(``$ORCHESTRATOR_FAULTS``). Specs::
+
+    kill@step=N            SIGKILL itself when the global step reaches N
+    hang@step=N            stop making progress (the main thread blocks) at step N
+    raise=KIND@step=N      raise the real exception class of KIND with a real catalogue message
+    exit=CODE@step=N       exit with CODE at step N, no error record
+    corrupt-checkpoint@epoch=N   flip bytes in the payload of epoch N's checkpoint once committed
+    storage-down@step=N,for=S    from step N, the checkpoint store fails (ENOTCONN) for S s
+    kill@checkpoint=N      SIGKILL in the middle of the run's Nth checkpoint commit: payload
+                           written, not yet renamed into place
+    kill@export=1          SIGKILL as the worker starts writing the export at the end of the
+                           run (after the last checkpoint)
+
+Each fault fires once per run, not once per attempt: before firing, it is claimed durably in
+``<run>/faults/`` (O_EXCL) and journaled as ``fault_injected``. Parsing never imports TensorFlow;
+only ``raise=`` for a TensorFlow kind imports it, in the worker.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import re
+import signal
+import threading
+import time
+from dataclasses import dataclass
+
+from orchestrator.recovery import failures
+from orchestrator.checkpoint.store import COMMIT_MARKER
+from orchestrator.checkpoint.tiers import DURABLE_MARKER
+from orchestrator.core.osutil import read_json, write_json_atomic
+
+ENV = "ORCHESTRATOR_FAULTS"
+_SPEC = re.compile(r"^(?P<what>kill|hang|raise|exit|corrupt-checkpoint|storage-down)"
+                   r"(?:=(?P<arg>[\w-]+))?@(?P<at>step|epoch|checkpoint|export)=(?P<n>\d+)"
+                   r"(?:,for=(?P<for>\d+(?:\.\d+)?))?$")
+_ALLOWED_AT = {"kill": ("step", "checkpoint", "export"), "hang": ("step",), "raise": ("step",),
+               "exit": ("step",), "corrupt-checkpoint": ("epoch",), "storage-down": ("step",)}
+
+
+class FaultSpecError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Fault:
+    text: str
+    what: str
+    arg: str | None
+    at: str
+    n: int
+    duration: float | None = None
+
+    @property
+    def id(self) -> str:
+        return re.sub(r"[^\w.-]+", "_", self.text)
+
+
+def parse(text: str) -> Fault:
+    m = _SPEC.match(text.strip())
+    usage = ("expected kill@step=N, hang@step=N, raise=KIND@step=N, exit=CODE@step=N, "
+             "corrupt-checkpoint@epoch=N, storage-down@step=N,for=SECONDS, kill@checkpoint=N "
+             "or kill@export=1")
+    if not m:
+        raise FaultSpecError(f"--fault {text!r}: {usage}")
+    what, arg, at = m["what"], m["arg"], m["at"]
+    if at not in _ALLOWED_AT[what]:
+        raise FaultSpecError(f"--fault {text!r}: {what} fires @{'/'.join(_ALLOWED_AT[what])}=N")
+    if what == "raise":
+        kinds = sorted({s.kind for s in failures.catalogue() if s.raise_})
+        if arg not in kinds:
+            raise FaultSpecError(f"--fault {text!r}: raise=KIND with KIND one of "
+                                 f"{', '.join(kinds)} (kill@ and hang@ cover killed and hang)")
+    if what == "exit" and not (arg or "").isdigit():
+        raise FaultSpecError(f"--fault {text!r}: exit=CODE needs an integer exit code")
+    if (what == "storage-down") != (m["for"] is not None):
+        raise FaultSpecError(f"--fault {text!r}: ',for=SECONDS' goes with storage-down only "
+                             f"(and storage-down needs it)")
+    if what in ("kill", "hang", "corrupt-checkpoint", "storage-down") and arg:
+        raise FaultSpecError(f"--fault {text!r}: {what} takes no '=' argument")
+    return Fault(text.strip(), what, arg, at, int(m["n"]),
+                 float(m["for"]) if m["for"] else None)
+
+
+def build_exception(kind: str) -> BaseException:
+    """The real exception of ``kind`` with its real catalogue message (imports its module)."""
+    sig = failures.injectable(kind)
+    if sig is None:
+        raise FaultSpecError(f"no catalogue signature of kind {kind} says what to raise")
+    module, *attrs = sig.raise_["type"].split(".")
+    obj = importlib.import_module(module)
+    for a in attrs:
+        obj = getattr(obj, a)
+    return obj(*sig.raise_.get("args", []))
+
+
+class Injector:
+    """Fires the run's faults at their moments; a no-op when there are none."""
+
+    def __init__(self, faults, run_dir: str, attempt: int, journal=None):
+        self.faults = [parse(f) if isinstance(f, str) else f for f in faults]
+        self.dir = os.path.join(run_dir, "faults")
+        self.attempt, self.journal = attempt, journal
+
+    @classmethod
+    def from_env(cls, run_dir: str, attempt: int, journal=None, env=None) -> "Injector":
+        raw = (os.environ if env is None else env).get(ENV)
+        return cls(json.loads(raw) if raw else [], run_dir, attempt, journal)
+
+    def __bool__(self) -> bool:
+        return bool(self.faults)
+
+    # ---------------------------------------------------------------- moments
+    def at_step(self, step: int) -> None:
+        """Call after each training step with the global step reached."""
+        for f in self.faults:
+            if f.at == "step" and step >= f.n and self._claim(f, step=step):
+                self._fire(f)
+
+    def at_export(self) -> None:
+        """Call as the worker starts the export at the end of the run."""
+        for f in self.faults:
+            if f.at == "export" and self._claim(f):
+                self._fire(f)
+
+    def after_commit(self, checkpoint) -> None:
+        for f in self.faults:
+            if f.what == "corrupt-checkpoint" and checkpoint.epoch == f.n \
+                    and self._claim(f, path=checkpoint.path):
+                corrupt_payload(checkpoint.path)
+
+    def wrap_store(self, store):
+        return _FaultyStore(store, self) if self.faults else store
+
+    # ---------------------------------------------------------------- firing
+    def _fire(self, f: Fault) -> None:
+        if f.what == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif f.what == "hang":
+            print(f"[fault] {f.text}: hanging the main thread", flush=True)
+            while True:  # a deadlock as far as anyone can tell; faulthandler can still dump
+                threading.Event().wait(3600)
+        elif f.what == "raise":
+            raise build_exception(f.arg)
+        elif f.what == "exit":
+            os._exit(int(f.arg))
+        # storage-down: the claim records until when; _FaultyStore consults it
+
+    def _claim(self, f: Fault, **extra) -> bool:
+        """Record durably that ``f`` fired (exactly one claimant per run); journal it."""
+        os.makedirs(self.dir, exist_ok=True)
+        path = os.path.join(self.dir, f"{f.id}.json")
+        record = {"fault": f.text, "attempt": self.attempt, "time": round(time.time(), 3), **extra}
+        if f.duration is not None:
+            record["until"] = round(time.time() + f.duration, 3)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "w") as fh:
+            json.dump(record, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        if self.journal is not None:
+            self.journal.append("fault_injected", source="worker", **record)
+        print(f"[fault] injecting {f.text} (attempt {self.attempt})", flush=True)
+        return True
+
+    def storage_down_until(self) -> float:
+        until = 0.0
+        for f in self.faults:
+            if f.what == "storage-down":
+                rec = read_json(os.path.join(self.dir, f"{f.id}.json")) or {}
+                until = max(until, float(rec.get("until", 0)))
+        return until
+
+    def count_commit(self) -> int:
+        """The run-wide ordinal of the commit about to start (kept only when a fault needs it)."""
+        path = os.path.join(self.dir, "checkpoint-commits.json")
+        n = int((read_json(path) or {}).get("commits", 0)) + 1
+        os.makedirs(self.dir, exist_ok=True)
+        write_json_atomic(path, {"commits": n})
+        return n
+
+
+class _FaultyStore:
+    """A CheckpointStore whose storage can go down and whose commit can be killed midway."""
+
+    def __init__(self, store, injector: Injector):
+        self._store, self._inj = store, injector
+        self._kill_at = [f for f in injector.faults if f.what == "kill" and f.at == "checkpoint"]
+
+    def __getattr__(self, name):
+        attr = getattr(self._store, name)
+        if callable(attr):
+            def guarded(*a, **kw):
+                self._check_storage()
+                return attr(*a, **kw)
+            return guarded
+        return attr
+
+    def _check_storage(self) -> None:
+        if time.time() < self._inj.storage_down_until():
+            e = build_exception("storage")
+            raise type(e)(*e.args, self._store.root)
+
+    def commit(self, step, write_payload, manifest, keep=None):
+        self._check_storage()
+        if self._kill_at:
+            n = self._inj.count_commit()
+            for f in self._kill_at:
+                if f.n == n:
+                    inner = write_payload
+
+                    def write_payload(d, inner=inner, f=f):  # noqa: F811 - the wrapped writer
+                        inner(d)
+                        if self._inj._claim(f, step=step, tmp=d):
+                            self._inj._fire(f)
+        c = self._store.commit(step, write_payload, manifest, keep=keep)
+        self._inj.after_commit(c)
+        return c
+
+
+def corrupt_payload(path: str) -> str | None:
+    """Flip bytes in the middle of the first payload file of a checkpoint directory."""
+    for name in sorted(os.listdir(path)):
+        if name in ("manifest.json", COMMIT_MARKER, DURABLE_MARKER):
+            continue
+        p = os.path.join(path, name)
+        size = os.path.getsize(p)
+        with open(p, "r+b") as f:
+            f.seek(size // 2)
+            chunk = f.read(16)
+            f.seek(size // 2)
+            f.write(bytes(b ^ 0xFF for b in chunk) or b"\xff")
+            f.flush()
+            os.fsync(f.fileno())
+        return p
+    return None
+

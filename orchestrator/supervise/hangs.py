@@ -1,0 +1,98 @@
+"""Hang detection for the supervisor: heartbeats heard as file events, and a deadline.
+
+A worker that is alive but stuck (the multiprocessing data-loader deadlock that freezes
+``fit`` at epoch 1, a wedged collective) never exits; only its silence tells. Every replacement
+of ``heartbeat.json`` arrives as a watchdog event, so the supervisor waits on its queue with a
+timeout equal to the time left, never polling. Before the first training beat of an attempt the
+longer ``startup_timeout`` applies (imports, TPU initialisation, XLA compilation).
+"""
+from __future__ import annotations
+
+import os
+import queue
+import time
+
+from watchdog.events import FileSystemEventHandler
+
+from orchestrator.core import heartbeat
+
+
+class HeartbeatEvents(FileSystemEventHandler):
+    """Puts ("heartbeat",) on the supervisor's queue whenever heartbeat.json is replaced."""
+
+    def __init__(self, q: queue.Queue):
+        self.q = q
+
+    def _check(self, path) -> None:
+        if os.path.basename(os.fsdecode(path)) == heartbeat.FILE:
+            self.q.put(("heartbeat",))
+
+    def on_moved(self, event):
+        self._check(event.dest_path)
+
+    def on_created(self, event):
+        self._check(event.src_path)
+
+    def on_modified(self, event):
+        self._check(event.src_path)
+
+
+class HangClock:
+    """When the attempt in flight counts as hung."""
+
+    def __init__(self, run_dir: str, hang_timeout: float, startup_timeout: float):
+        self.run_dir = run_dir
+        self.hang_timeout, self.startup_timeout = hang_timeout, startup_timeout
+        self.attempt = None
+        self.last = time.monotonic()
+        self.last_wall = time.time()
+        self.training = False
+
+    def start(self, attempt: int) -> None:
+        self.attempt, self.training = attempt, False
+        self.last, self.last_wall = time.monotonic(), time.time()
+
+    def beat(self) -> None:
+        """A heartbeat file event: count it if it is the current attempt's."""
+        rec = heartbeat.read(self.run_dir)
+        if not rec or rec.get("attempt") != self.attempt:
+            return
+        self.last, self.last_wall = time.monotonic(), float(rec.get("time", time.time()))
+        if rec.get("phase") != "starting":
+            self.training = True
+
+    @property
+    def timeout(self) -> float:
+        return self.hang_timeout if self.training else self.startup_timeout
+
+    def remaining(self) -> float:
+        return self.timeout - (time.monotonic() - self.last)
+
+    def age(self) -> float:
+        """Seconds since the last beat, by the beat's own timestamp."""
+        return time.time() - self.last_wall
+
+
+def dump_stacks(pid: int, log_path: str, wait: float = 2.0) -> bool:
+    """Ask the worker for a stack dump into its log; True once the log grew (or the wait ends)."""
+    try:
+        size = os.path.getsize(log_path)
+    except OSError:
+        size = 0
+    try:
+        os.kill(pid, heartbeat.STACK_DUMP_SIGNAL)
+    except ProcessLookupError:
+        return False
+    deadline = time.monotonic() + wait
+    grew_at = None
+    while time.monotonic() < deadline:  # a short bounded wait for a write we just caused
+        try:
+            now = os.path.getsize(log_path)
+        except OSError:
+            now = size
+        if now > size:
+            if grew_at is not None and now == grew_at:
+                return True  # grown and settled
+            grew_at = now
+        time.sleep(0.05)
+    return grew_at is not None

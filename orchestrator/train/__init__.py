@@ -1,0 +1,1 @@
+"""The worker process: the only package that imports TensorFlow and Keras."""

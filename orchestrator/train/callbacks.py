@@ -1,0 +1,312 @@
+"""Keras callbacks of the worker: one small class per concern (worker side).
+
+The worker may train in several ``fit`` calls (the rest of an interrupted epoch, then the other
+epochs), so its callbacks run inside ``OneTraining``, which shows them a single training: one
+``on_train_begin``, one ``on_train_end``. Order matters: the checkpoint comes last, so that it
+captures what the job's own callbacks (ReduceLROnPlateau, EarlyStopping) did at the epoch end.
+"""
+from __future__ import annotations
+
+import time
+
+import keras
+import numpy as np
+
+from orchestrator.train import state
+from orchestrator.checkpoint.store import CheckpointStore
+from orchestrator.core.heartbeat import HeartbeatWriter, Progress
+from orchestrator.core.spec import CheckpointSpec
+
+
+def get_learning_rate(optimizer) -> float:
+    """The current rate through the public property (wrappers such as LossScaleOptimizer
+    forward it to the optimizer they wrap)."""
+    return float(keras.ops.convert_to_numpy(optimizer.learning_rate))
+
+
+class OneTraining(keras.callbacks.Callback):
+    """Runs ``callbacks`` across several ``fit`` calls as if they were one training.
+
+    ``on_train_begin`` is passed on once, ``on_train_end`` only by ``finish()``: EarlyStopping
+    would otherwise reset its patience at the second call and restore its best weights at the
+    end of the first.
+    """
+
+    def __init__(self, callbacks):
+        super().__init__()
+        self.inner = keras.callbacks.CallbackList(list(callbacks))
+        self._begun = False
+        self._last_logs = None
+
+    def set_model(self, model):
+        super().set_model(model)
+        self.inner.set_model(model)
+
+    def set_params(self, params):
+        super().set_params(params)
+        self.inner.set_params(params)
+
+    def on_train_begin(self, logs=None):
+        if not self._begun:
+            self._begun = True
+            self.inner.on_train_begin(logs)
+
+    def on_train_end(self, logs=None):
+        self._last_logs = logs
+
+    def finish(self):
+        """The end of the whole training (not of one ``fit`` call)."""
+        self.inner.on_train_end(self._last_logs)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.inner.on_epoch_begin(epoch, logs)
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.inner.on_epoch_end(epoch, logs)
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.inner.on_train_batch_begin(batch, logs)
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.inner.on_train_batch_end(batch, logs)
+
+    def on_test_begin(self, logs=None):
+        self.inner.on_test_begin(logs)
+
+    def on_test_end(self, logs=None):
+        self.inner.on_test_end(logs)
+
+    def on_test_batch_begin(self, batch, logs=None):
+        self.inner.on_test_batch_begin(batch, logs)
+
+    def on_test_batch_end(self, batch, logs=None):
+        self.inner.on_test_batch_end(batch, logs)
+
+
+class ProgressCallback(keras.callbacks.Callback):
+    """Keeps ``progress`` (epochs done, batch within the epoch, global step) up to date.
+
+    ``batch_offset`` is the batch a ``fit`` call starts at within its first epoch (a resumed
+    epoch); Keras counts batches from 0 in every call.
+    """
+
+    def __init__(self, progress: Progress, on_first_step=None):
+        super().__init__()
+        self.progress = progress
+        self.on_first_step = on_first_step
+        self.batch_offset = 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.progress.epoch, self.progress.batch = epoch, self.batch_offset
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.progress.batch = self.batch_offset + batch + 1
+        self.progress.step += 1
+        if self.on_first_step is not None:
+            self.on_first_step()  # recovery time ends at the first step of an attempt
+            self.on_first_step = None
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.progress.epoch, self.progress.batch = epoch + 1, 0
+        self.batch_offset = 0
+
+
+class LearningRateCallback(keras.callbacks.Callback):
+    """Sets the optimizer's rate from ``schedule(epoch, lr)`` at each epoch's start.
+
+    ``skip_epoch``: an epoch resumed in the middle already has its rate (restored with the
+    optimizer's variables); applying ``schedule`` again would apply a relative rule twice.
+    """
+
+    def __init__(self, schedule, skip_epoch: int | None = None):
+        super().__init__()
+        self.schedule, self.skip_epoch = schedule, skip_epoch
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if epoch == self.skip_epoch:
+            self.skip_epoch = None
+            return
+        opt = self.model.optimizer
+        opt.learning_rate = float(self.schedule(epoch, get_learning_rate(opt)))
+
+
+# Keras callbacks whose state decides later epochs, and the attributes that hold it (Keras 3
+# resets them in on_train_begin). EarlyStopping's best_weights are arrays, saved with the state.
+_STATE_ATTRS = (
+    (keras.callbacks.EarlyStopping, ("wait", "stopped_epoch", "best", "best_epoch")),
+    (keras.callbacks.ReduceLROnPlateau, ("wait", "cooldown_counter", "best")),
+)
+_STATELESS = (keras.callbacks.TerminateOnNaN, keras.callbacks.ProgbarLogger,
+              keras.callbacks.History)
+
+
+def _plain(v):
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    return np.asarray(v).item()
+
+
+class CallbackStates:
+    """Capture and put back the state of the job's callbacks, as JSON and arrays (no pickle).
+
+    Known Keras callbacks are read attribute by attribute; any other callback takes part by
+    defining ``get_state() -> dict`` (JSON-able) and ``set_state(dict)``.
+    """
+
+    def __init__(self, callbacks):
+        self.callbacks = list(callbacks)
+
+    def unknown(self) -> list[str]:
+        """Callbacks whose state (if any) cannot be saved: a resume cannot promise exactness."""
+        return [type(cb).__name__ for cb in self.callbacks
+                if not (hasattr(cb, "get_state") and hasattr(cb, "set_state"))
+                and not isinstance(cb, _STATELESS) and self._attrs(cb) is None]
+
+    @staticmethod
+    def _attrs(cb):
+        return next((attrs for cls, attrs in _STATE_ATTRS if isinstance(cb, cls)), None)
+
+    def capture(self) -> tuple[list, dict]:
+        states, arrays = [], {}
+        for i, cb in enumerate(self.callbacks):
+            entry = {"class": type(cb).__name__, "state": None}
+            if hasattr(cb, "get_state") and hasattr(cb, "set_state"):
+                entry["state"] = cb.get_state()
+            elif self._attrs(cb) is not None:
+                entry["state"] = {a: _plain(getattr(cb, a, None)) for a in self._attrs(cb)}
+                weights = getattr(cb, "best_weights", None)
+                if weights is not None:
+                    entry["state"]["best_weights"] = len(weights)
+                    for j, w in enumerate(weights):
+                        arrays[f"callbacks.{i:02d}.{j:04d}"] = np.asarray(w)
+            states.append(entry)
+        return states, arrays
+
+    def apply(self, states: list, arrays: dict) -> None:
+        for i, (cb, entry) in enumerate(zip(self.callbacks, states)):
+            s = entry.get("state")
+            if s is None or entry.get("class") != type(cb).__name__:
+                continue
+            if hasattr(cb, "get_state") and hasattr(cb, "set_state"):
+                cb.set_state(s)
+                continue
+            for a in self._attrs(cb) or ():
+                setattr(cb, a, s.get(a))
+            if s.get("best_weights") is not None:
+                cb.best_weights = [arrays[f"callbacks.{i:02d}.{j:04d}"]
+                                   for j in range(s["best_weights"])]
+
+
+class ResumeState(keras.callbacks.Callback):
+    """Puts back what Keras resets when training (or an epoch) begins: the callbacks' state
+    after their ``on_train_begin``, and the interrupted epoch's running metrics after fit's
+    ``reset_metrics``, so that the epoch's reported metrics still cover all of it."""
+
+    def __init__(self, states: CallbackStates, saved_states: list | None, arrays: dict,
+                 metrics_epoch: int | None, on_metrics_lost=None):
+        super().__init__()
+        self.states, self.saved_states, self.arrays = states, saved_states, arrays
+        self.metrics_epoch, self.on_metrics_lost = metrics_epoch, on_metrics_lost
+
+    def on_train_begin(self, logs=None):
+        if self.saved_states:
+            self.states.apply(self.saved_states, self.arrays)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if epoch != self.metrics_epoch:
+            return
+        self.metrics_epoch = None
+        if not state.restore_metrics(self.model, self.arrays) and self.on_metrics_lost:
+            self.on_metrics_lost()
+
+
+class HeartbeatCallback(keras.callbacks.Callback):
+    def __init__(self, writer: HeartbeatWriter, progress: Progress):
+        super().__init__()
+        self.writer, self.progress = writer, progress
+
+    def on_train_begin(self, logs=None):
+        self.writer.beat(force=True, phase="training", **self.progress.as_dict())
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.writer.beat(phase="training", **self.progress.as_dict())
+
+    def on_test_batch_end(self, batch, logs=None):  # a long validation is not a hang
+        self.writer.beat(phase="validation", **self.progress.as_dict())
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.writer.beat(force=True, phase="epoch_end", **self.progress.as_dict())
+
+
+class CheckpointCallback(keras.callbacks.Callback):
+    """Commits the whole training state: at the end of every ``every_epochs`` epochs, within an
+    epoch every ``every_steps`` global steps (multiples of it, so every run commits at the same
+    steps) or ``every_seconds``, and once more when training ends (``stopped_early`` when a
+    callback such as EarlyStopping ended it before the last epoch).
+
+    The checkpoint is keyed by ``progress.step``, the training batches run so far: it only ever
+    grows, whatever the optimizer counts (a LossScaleOptimizer does not count skipped steps).
+    """
+
+    def __init__(self, store: CheckpointStore, ckpt: CheckpointSpec, progress: Progress,
+                 steps_per_epoch: int, last_epoch: int, history: list, base_manifest: dict,
+                 states: CallbackStates):
+        super().__init__()
+        self.store, self.ckpt, self.progress = store, ckpt, progress
+        self.spe, self.last_epoch = steps_per_epoch, last_epoch
+        self.history = list(history)
+        self.base_manifest, self.states = base_manifest, states
+        self._last_commit = time.monotonic()
+        self._metrics: dict = {}
+
+    def _due(self) -> bool:
+        every, secs = self.ckpt.every_steps, self.ckpt.every_seconds
+        return bool((every and self.progress.step % every == 0)
+                    or (secs and time.monotonic() - self._last_commit >= secs))
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._lr = get_learning_rate(self.model.optimizer)
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.progress.batch < self.spe and self._due():
+            self._commit({k: float(v) for k, v in (logs or {}).items()}, mid_epoch=True)
+
+    def on_epoch_end(self, epoch, logs=None):
+        done = epoch + 1
+        self._metrics = {k: float(v) for k, v in (logs or {}).items()}
+        self.history.append({"epoch": done, "learning_rate": self._lr, **self._metrics})
+        if self.model.stop_training or done >= self.last_epoch:
+            return  # committed by on_train_end, after the job's callbacks had their say
+        if done % self.ckpt.every_epochs == 0 or self._due():
+            self._commit(self._metrics)
+
+    def on_train_end(self, logs=None):
+        self._commit(self._metrics, stopped_early=bool(
+            self.model.stop_training and self.progress.epoch < self.last_epoch))
+
+    def _commit(self, metrics: dict, mid_epoch: bool = False, stopped_early: bool = False):
+        states, extra = self.states.capture()
+        if mid_epoch:
+            extra.update(state.capture_metrics(self.model))
+        p = self.progress
+        manifest = dict(self.base_manifest, epoch=p.epoch, batch=p.batch if mid_epoch else 0,
+                        metrics=metrics, history=self.history, stopped_early=stopped_early,
+                        learning_rate=get_learning_rate(self.model.optimizer), callbacks=states,
+                        weights_sha256=state.fingerprint(self.model),
+                        state_sha256=state.state_fingerprint(self.model),
+                        variables=state.describe(self.model))
+        self.store.commit(p.step, lambda d: state.save(self.model, d, extra), manifest,
+                          keep=self.ckpt.keep)
+        self._last_commit = time.monotonic()
+
+
+class FaultCallback(keras.callbacks.Callback):
+    """Fires injected faults at their global step (faults.py); added only when there are any,
+    after the ProgressCallback."""
+
+    def __init__(self, injector, progress: Progress):
+        super().__init__()
+        self.injector, self.progress = injector, progress
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.injector.at_step(self.progress.step)

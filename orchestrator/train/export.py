@@ -1,0 +1,126 @@
+"""Export a run's model for inference: ``python -m orchestrator.train.export RUN_DIR [--out DIR]``.
+
+Worker side (imports TensorFlow). At the end of a run the worker exports the model it trained
+(on the CPU with no strategy: see ``worker._export_at_end``); otherwise, or when that failed, the
+supervisor runs this module as its own process, as ``orchestrator export`` does. That builds
+the job's model with no distribution strategy on the CPU and restores the newest checkpoint
+that verifies (either tier). Either way the weights fingerprint is checked against the
+checkpoint's manifest, and the files are written under a temporary name then renamed into place:
+``model.keras`` (architecture + weights + optimizer), ``model.weights.h5`` (weights only, for
+the job's own ``build_model``), ``saved_model/`` (Keras ``model.export``: a standalone
+SavedModel with a ``serve`` endpoint whose batch dimension is free) and ``export.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import shutil
+import sys
+import time
+import uuid
+
+from orchestrator.checkpoint import tiers
+from orchestrator.core.osutil import read_json, sha256_file, write_json_atomic
+from orchestrator.core.rundir import EXIT_CONFIG, RunDir
+from orchestrator.core.spec import SpecError, load
+
+
+class ExportError(Exception):
+    """Nothing can be exported (no run, no valid checkpoint, a model that differs)."""
+
+
+def export(run_dir: str, out: str | None = None) -> dict:
+    rd = RunDir(os.path.abspath(run_dir))
+    info = read_json(rd.run_info)
+    if not info:
+        raise ExportError(f"{rd.root}: not a run directory (no run.json)")
+    spec = load(rd.job_copy, run_dir=rd.root)
+    spec = dataclasses.replace(spec, job_dir=os.path.dirname(info.get("job_path")
+                                                             or rd.job_copy))
+    latest = tiers.for_spec(spec).latest_valid(
+        on_skip=lambda c, why: print(f"[export] skipped {c.path}: {why}", flush=True))
+    if latest is None:
+        raise ExportError(f"{rd.root}: no checkpoint verifies; nothing to export")
+
+    from orchestrator.train import datasets
+
+    from orchestrator.train import state
+    from orchestrator.train.worker import _call_factory, _compile, _import_tensorflow
+
+    _import_tensorflow()
+
+    model = _call_factory(spec, "model")
+    _compile(model, spec)
+    if not model.built:
+        data = datasets.normalise(_call_factory(spec, "data"), f"{spec.job_path}: key 'data'")
+        model(datasets.sample_batch(data, 2))
+    model.optimizer.build(model.trainable_variables)
+    state.restore(model, state.load_arrays(latest.path))
+    return write(model, spec, latest, out or rd.export)
+
+
+def write(model, spec, checkpoint, out: str) -> dict:
+    """Write ``model`` (restored from, or trained to, ``checkpoint``) for inference into ``out``.
+
+    Refuses a model whose weights are not the checkpoint's (by the manifest's fingerprint): the
+    export must be exactly what the run committed. The worker calls this at the end of a run with
+    the model it trained, which saves the separate process's TensorFlow import and model build.
+    """
+    import keras
+
+    from orchestrator.train import state
+
+    fp = state.fingerprint(model)
+    if checkpoint.manifest.get("weights_sha256") not in (None, fp):
+        raise ExportError(f"{checkpoint.path}: the model's weights do not match the manifest's "
+                          f"fingerprint; refusing to export them")
+    final = os.path.abspath(out)
+    tmp = f"{final}.tmp-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    os.makedirs(tmp)
+    try:
+        model.save(os.path.join(tmp, "model.keras"))
+        model.save_weights(os.path.join(tmp, "model.weights.h5"))
+        model.export(os.path.join(tmp, "saved_model"), format="tf_saved_model", verbose=False)
+        facts = {
+            "run": spec.name, "step": checkpoint.step, "epoch": checkpoint.epoch,
+            "checkpoint": checkpoint.path, "weights_sha256": fp,
+            "training_hash": spec.training_hash(), "exported_at": round(time.time(), 3),
+            "keras": keras.__version__,
+            "inputs": [{"shape": list(t.shape), "dtype": str(t.dtype)} for t in model.inputs],
+            "files": {n: {"sha256": sha256_file(os.path.join(tmp, n))}
+                      for n in ("model.keras", "model.weights.h5")},
+        }
+        write_json_atomic(os.path.join(tmp, "export.json"), facts)
+        if os.path.exists(final):
+            trash = f"{final}.trash-{uuid.uuid4().hex[:6]}"
+            os.rename(final, trash)
+            shutil.rmtree(trash, ignore_errors=True)
+        os.rename(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dict(facts, path=final)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m orchestrator.train.export")
+    p.add_argument("run_dir")
+    p.add_argument("--out")
+    args = p.parse_args(argv)
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # an export for any device: built on the CPU
+    from orchestrator.train.worker import JobError
+
+    try:
+        facts = export(args.run_dir, args.out)
+    except (ExportError, SpecError, JobError) as exc:
+        print(f"[export] {exc}", file=sys.stderr, flush=True)
+        return EXIT_CONFIG
+    print(f"[export] epoch {facts['epoch']} (step {facts['step']}, weights sha256 "
+          f"{facts['weights_sha256']}) -> {facts['path']}: model.keras, model.weights.h5, "
+          f"saved_model/", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,41 @@
+"""The two-process design as checked contracts (pyproject.toml [tool.importlinter]): only
+train/ imports TensorFlow or Keras, at module level or inside a function; the supervisor's
+side never imports train/; the packages depend one way."""
+import os
+import shutil
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _lint_imports(config: str | None = None):
+    exe = shutil.which("lint-imports", path=os.path.dirname(sys.executable)) or \
+        shutil.which("lint-imports")
+    assert exe, "import-linter is a test dependency (pip install -e '.[test]')"
+    cmd = [exe, "--no-cache"] + (["--config", config] if config else [])
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+
+
+def test_import_contracts_hold():
+    p = _lint_imports()
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "0 broken" in p.stdout
+
+
+def test_a_tensorflow_import_inside_a_supervisor_function_breaks_the_contract(tmp_path):
+    # the same contracts over a copy of the package with one function-level import added
+    pkg = tmp_path / "src" / "orchestrator"
+    shutil.copytree(os.path.join(ROOT, "orchestrator"), pkg,
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    target = pkg / "supervise" / "hangs.py"
+    target.write_text(target.read_text() + "\n\ndef _sneaky():\n    import tensorflow\n")
+    config = tmp_path / "pyproject.toml"
+    shutil.copy(os.path.join(ROOT, "pyproject.toml"), config)
+    exe = shutil.which("lint-imports", path=os.path.dirname(sys.executable)) or \
+        shutil.which("lint-imports")
+    p = subprocess.run([exe, "--no-cache", "--config", str(config)], capture_output=True,
+                       text=True, cwd=tmp_path / "src",
+                       env=dict(os.environ, PYTHONPATH=str(tmp_path / "src")))
+    assert p.returncode != 0, p.stdout + p.stderr
+    assert "orchestrator.supervise.hangs -> tensorflow" in p.stdout
