@@ -39,3 +39,24 @@ def test_a_tensorflow_import_inside_a_supervisor_function_breaks_the_contract(tm
                        env=dict(os.environ, PYTHONPATH=str(tmp_path / "src")))
     assert p.returncode != 0, p.stdout + p.stderr
     assert "orchestrator.supervise.hangs -> tensorflow" in p.stdout
+
+
+def test_every_journal_event_is_named_from_the_one_vocabulary():
+    # events are written as Event.X (core/events.py), never as a string literal somewhere
+    import ast
+
+    from orchestrator.core.events import ALL
+
+    literal = []
+    for dirpath, _, names in os.walk(os.path.join(ROOT, "orchestrator")):
+        for name in names:
+            if not name.endswith(".py"):
+                continue
+            path = os.path.join(dirpath, name)
+            for node in ast.walk(ast.parse(open(path).read())):
+                if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                        and node.func.attr in ("append", "iter") and node.args
+                        and isinstance(node.args[0], ast.Constant)
+                        and node.args[0].value in ALL):
+                    literal.append(f"{os.path.relpath(path, ROOT)}:{node.lineno}")
+    assert not literal, literal

@@ -1,1 +1,3 @@
-"""Checkpoints: the atomic store, the two tiers (local, durable), retention, the durable mirror. No TensorFlow."""
+"""Checkpoints: the atomic store, the two tiers (local, durable), retention, the durable mirror. No
+TensorFlow.
+"""

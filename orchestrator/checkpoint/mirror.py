@@ -26,6 +26,7 @@ from tenacity import Retrying, retry_if_exception_type, wait_exponential
 from orchestrator.checkpoint.store import Checkpoint, Retention
 from orchestrator.core.journal import Journal
 from orchestrator.checkpoint.tiers import TieredStore, is_durable, mark_durable, unmark_durable
+from orchestrator.core.events import Event
 
 REMOUNT_EVERY_S = 60.0
 COLAB_MOUNTPOINT = "/content/drive"
@@ -166,7 +167,7 @@ class DurableMirror:
                 self._with_retries(lambda: self._upload(c), c)
             except _SourceGone as exc:
                 self._bad_local.add(_identity(c))
-                self.journal.append("checkpoint_skipped", source="mirror", tier="local",
+                self.journal.append(Event.CHECKPOINT_SKIPPED, source="mirror", tier="local",
                                     step=c.step, reason=str(exc))
         self._with_retries(self._retire, None)
         return self.backlog()
@@ -212,7 +213,7 @@ class DurableMirror:
                           d.path)
         self._durable_ok[c.step] = d
         mark_durable(c, d.path, verified_at=round(time.time(), 3))
-        self.journal.append("checkpoint_durable", step=c.step, epoch=c.epoch, path=d.path,
+        self.journal.append(Event.CHECKPOINT_DURABLE, step=c.step, epoch=c.epoch, path=d.path,
                             upload_s=round(time.time() - t0, 3))
         self._reachable()
 
@@ -223,7 +224,7 @@ class DurableMirror:
             self._down_since = None
             self._journaled_backlog = None
             left = [x.step for x in self.backlog()]
-            self.journal.append("durable_restored", down_s=round(down, 3), backlog=left)
+            self.journal.append(Event.DURABLE_RESTORED, down_s=round(down, 3), backlog=left)
             self.say(f"durable tier is back after {down:.0f} s; flushing {len(left)} more "
                      f"checkpoint(s)")
 
@@ -231,14 +232,14 @@ class DurableMirror:
         err = {"errno": getattr(exc, "errno", None), "error": str(exc)}
         if self._down_since is None:
             self._down_since = time.time()
-            self.journal.append("durable_unreachable", step=c.step if c else None,
+            self.journal.append(Event.DURABLE_UNREACHABLE, step=c.step if c else None,
                                 root=self.store.durable.root, **err)
             self.say(f"durable tier {self.store.durable.root} unreachable ({exc}); training "
                      f"goes on, checkpoints stay in {self.store.local.root} until it is back")
         backlog = tuple(x.step for x in self.backlog())
         if backlog != self._journaled_backlog:
             self._journaled_backlog = backlog
-            self.journal.append("durable_backlog", steps=list(backlog), retry_in_s=round(delay, 3),
+            self.journal.append(Event.DURABLE_BACKLOG, steps=list(backlog), retry_in_s=round(delay, 3),
                                 **err)
         if (self.remount is not None and getattr(exc, "errno", None) == errno.ENOTCONN
                 and time.time() - self._last_remount >= self.remount_every_s):
@@ -249,9 +250,9 @@ class DurableMirror:
         try:
             self.remount(self.store.durable.root)
         except Exception as exc:  # noqa: BLE001 - a failed remount is journaled; retries go on
-            self.journal.append("remount", ok=False, error=f"{type(exc).__name__}: {exc}")
+            self.journal.append(Event.REMOUNT, ok=False, error=f"{type(exc).__name__}: {exc}")
             return
-        self.journal.append("remount", ok=True)
+        self.journal.append(Event.REMOUNT, ok=True)
 
     # ---------------------------------------------------------------- retention of both tiers
     def _retire(self) -> None:
@@ -280,7 +281,7 @@ class DurableMirror:
                 removed["local"].append(c.step)
         for tier, steps in removed.items():
             if steps:
-                self.journal.append("checkpoints_retired", tier=tier, steps=steps)
+                self.journal.append(Event.CHECKPOINTS_RETIRED, tier=tier, steps=steps)
 
 
 def _identity(c: Checkpoint) -> tuple:

@@ -1,1 +1,3 @@
-"""Shared by both processes: the job spec, the run directory's layout, the journal, the heartbeat, os helpers. No TensorFlow."""
+"""Shared by both processes: the job spec, the run directory's layout, the journal, the heartbeat,
+os helpers. No TensorFlow.
+"""

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import yaml
+from orchestrator.core.kinds import ACTIONS, KINDS
 
 STRATEGIES = ("auto", "tpu", "gpu", "cpu")
 SCHEDULES = ("step_decay", "cosine", "piecewise")
@@ -98,10 +99,6 @@ class RestartSpec:
     backoff_multiplier: float = 2.0
 
 
-ACTIONS = ("restart", "reinit_accelerator", "reinstall_tensorflow", "wait_accelerator",
-           "fallback_strategy", "halve_batch", "give_up")
-KIND_NAMES = ("accelerator_context", "accelerator_unavailable", "accelerator_busy",
-              "out_of_memory", "storage", "hang", "killed", "user_error", "unknown")
 
 
 @dataclass(frozen=True)
@@ -340,7 +337,7 @@ def _recovery(r: _Reader, data) -> RecoverySpec:
     c = r.mapping(data, "recovery", RECOVERY_KEYS)
     ladders = ()
     if "ladders" in c:
-        lad = r.mapping(c["ladders"], "recovery.ladders", set(KIND_NAMES))
+        lad = r.mapping(c["ladders"], "recovery.ladders", set(KINDS))
         ladders = tuple((k, _ladder(r, v, f"recovery.ladders.{k}")) for k, v in lad.items())
     w = r.mapping(c.get("wait", {}), "recovery.wait", {"initial", "max", "timeout"})
     cl = r.mapping(c.get("crash_loop", {}), "recovery.crash_loop",

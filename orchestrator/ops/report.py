@@ -19,6 +19,7 @@ import time
 from orchestrator.ops import timeline
 from orchestrator.core.formatting import fmt_duration, fmt_metrics
 from orchestrator.ops.status import run_status, load_run
+from orchestrator.core.kinds import Kind
 
 # Fixed colours, so a reader (and the rendering test) can tell the series apart.
 ATTEMPT_COLOURS = ["#1f77b4", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf",
@@ -26,10 +27,10 @@ ATTEMPT_COLOURS = ["#1f77b4", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17be
 CAUSE_COLOURS = {
     "useful": "#2ca02c", "in_progress": "#98df8a", "startup": "#aec7e8",
     "overhead": "#c7c7c7", "stopped": "#dbdb8d",
-    "killed": "#d62728", "hang": "#ff9896", "out_of_memory": "#e6550d",
-    "accelerator_context": "#843c39", "accelerator_unavailable": "#ad494a",
-    "accelerator_busy": "#d6616b", "storage": "#7b4173", "user_error": "#636363",
-    "unknown": "#bd9e39",
+    Kind.KILLED: "#d62728", Kind.HANG: "#ff9896", Kind.OUT_OF_MEMORY: "#e6550d",
+    Kind.ACCELERATOR_CONTEXT: "#843c39", Kind.ACCELERATOR_UNAVAILABLE: "#ad494a",
+    Kind.ACCELERATOR_BUSY: "#d6616b", Kind.STORAGE: "#7b4173", Kind.USER_ERROR: "#636363",
+    Kind.UNKNOWN: "#bd9e39",
 }
 FAULT_COLOUR = "#d62728"
 

@@ -19,6 +19,7 @@ from orchestrator.core.lock import FILE as LOCK_FILE, RunLock
 from orchestrator.core.osutil import read_json
 from orchestrator.core.rundir import RunDir
 from orchestrator.core.spec import SpecError, load
+from orchestrator.core.events import Event
 
 
 def load_run(run_dir: str):
@@ -53,7 +54,7 @@ def run_status(run_dir: str, now: float | None = None) -> dict:
     latest = max((c for c in (local_latest, durable_latest) if c), key=lambda c: c.step,
                  default=None)
     tier_event = next((e for e in reversed(events)
-                       if e["event"] in ("durable_unreachable", "durable_restored")), None)
+                       if e["event"] in (Event.DURABLE_UNREACHABLE, Event.DURABLE_RESTORED)), None)
     last = tl.sessions[-1].how if tl.sessions else "ended"
     state = {"running": "running", "completed": "completed", "failed": "failed"}.get(
         last, "stopped")  # stopped: interrupted or stopped; `run` resumes it
@@ -64,8 +65,8 @@ def run_status(run_dir: str, now: float | None = None) -> dict:
         live = {"epoch": hb.get("epoch"), "batch": hb.get("batch"),
                 "steps_per_epoch": current.steps_per_epoch, "phase": hb.get("phase")}
     failed = [a for a in tl.attempts if a.failed]
-    completed = next((e for e in reversed(events) if e["event"] == "run_completed"), None)
-    run_failed = next((e for e in reversed(events) if e["event"] == "run_failed"), None)
+    completed = next((e for e in reversed(events) if e["event"] == Event.RUN_COMPLETED), None)
+    run_failed = next((e for e in reversed(events) if e["event"] == Event.RUN_FAILED), None)
     return {
         "run_dir": rd.root,
         "name": info.get("name") or os.path.basename(rd.root),
@@ -77,7 +78,7 @@ def run_status(run_dir: str, now: float | None = None) -> dict:
         "live": live,
         "attempts": len(tl.attempts),
         "failed_attempts": len(failed),
-        "restarts": sum(1 for e in events if e["event"] == "restart"),
+        "restarts": sum(1 for e in events if e["event"] == Event.RESTART),
         "restarts_by_kind": timeline.restarts_by_kind(tl),
         "faults_by_kind": _count(a.kind for a in failed),
         "goodput": acct["goodput"],
@@ -89,7 +90,7 @@ def run_status(run_dir: str, now: float | None = None) -> dict:
         "last_checkpoint": _checkpoint(latest),
         "checkpoints_by_tier": _tiers(events, durable_latest, local_latest),
         "durable_unreachable_since": (tier_event["ts"] if running and tier_event and
-                                      tier_event["event"] == "durable_unreachable" else None),
+                                      tier_event["event"] == Event.DURABLE_UNREACHABLE else None),
         "durable_error": durable_error,
         "last_error": _last_error(failed, run_failed),
         "failure": None if run_failed is None or state != "failed" else {
@@ -99,7 +100,7 @@ def run_status(run_dir: str, now: float | None = None) -> dict:
         "supervisor": read_json(os.path.join(rd.root, LOCK_FILE)),
         "weights_sha256": completed.get("weights_sha256") if completed else None,
         "metrics": next((e.get("metrics") for e in reversed(events)
-                         if e["event"] == "epoch_completed"), None),
+                         if e["event"] == Event.EPOCH_COMPLETED), None),
     }
 
 
@@ -126,7 +127,7 @@ def _tiers(events: list[dict], run_dir, local) -> dict:
         tiers["local"] = _checkpoint(local)
     for e in events:
         ev = e.get("event", "")
-        tier = "durable" if ev == "checkpoint_durable" else \
+        tier = "durable" if ev == Event.CHECKPOINT_DURABLE else \
             e.get("tier") if ev.startswith("checkpoint_") else None
         if tier and tier != "run_dir" and "skipped" not in ev:
             tiers[tier] = {"epoch": e.get("epoch"), "step": e.get("step"),

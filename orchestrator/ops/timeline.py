@@ -25,12 +25,14 @@ import time
 from dataclasses import dataclass, field
 
 from orchestrator.recovery.failures import kind_of
+from orchestrator.core.events import Event
+from orchestrator.core.kinds import Kind
 
 NOT_LOST = ("useful", "in_progress")
 NOT_FAULTS = ("startup", "overhead", "stopped")  # lost, but to no fault
-SESSION_START = ("run_started", "run_resumed")
-SESSION_END = ("run_completed", "run_failed", "supervisor_stopped")
-CHECKPOINT_EVENTS = ("checkpoint_committed",)
+SESSION_START = (Event.RUN_STARTED, Event.RUN_RESUMED)
+SESSION_END = (Event.RUN_COMPLETED, Event.RUN_FAILED, Event.SUPERVISOR_STOPPED)
+CHECKPOINT_EVENTS = (Event.CHECKPOINT_COMMITTED,)
 
 
 @dataclass
@@ -122,26 +124,26 @@ def build(events: list[dict], running: bool = False, now: float | None = None) -
         s = sessions[-1]
         if s.how == "open":
             s.ended = max(s.ended, ts)
-        if ev == "attempt_started":
+        if ev == Event.ATTEMPT_STARTED:
             current = Attempt(n=e["attempt"], started=ts, session=len(sessions) - 1,
                               from_epoch=e.get("from_epoch", 0))
             attempts[current.n] = current
             s.attempts.append(current)
-        elif ev == "worker_ready" and e.get("attempt") in attempts:
+        elif ev == Event.WORKER_READY and e.get("attempt") in attempts:
             a = attempts[e["attempt"]]
             a.ready, a.steps_per_epoch = ts, e.get("steps_per_epoch")
-        elif ev == "first_step" and e.get("attempt") in attempts:
+        elif ev == Event.FIRST_STEP and e.get("attempt") in attempts:
             attempts[e["attempt"]].first_step = ts
         elif ev in CHECKPOINT_EVENTS and current is not None and current.ended is None:
             current.last_commit = ts
-        elif ev == "epoch_completed":
+        elif ev == Event.EPOCH_COMPLETED:
             epochs.append(e)
-        elif ev == "attempt_ended" and e.get("attempt") in attempts:
+        elif ev == Event.ATTEMPT_ENDED and e.get("attempt") in attempts:
             a = attempts[e["attempt"]]
             a.ended, a.exit_code, a.signal = ts, e.get("exit_code"), e.get("signal")
             a.kind, a.error, a.epoch = kind_of(e), e.get("error"), e.get("epoch")
             a.how = _how(e)
-        elif ev == "recovery":
+        elif ev == Event.RECOVERY:
             a = attempts.get(e.get("attempt"))
             if a is not None:
                 a.kind = e.get("kind") or a.kind
@@ -149,22 +151,22 @@ def build(events: list[dict], running: bool = False, now: float | None = None) -
                     a.actions.append(" ".join(str(x) for x in (e.get("action"), e.get("detail"))
                                               if x))
             markers.append((ts, ev, f"{e.get('kind')}: {e.get('action')}"))
-        elif ev == "restart":
+        elif ev == Event.RESTART:
             a = attempts.get(e.get("after_attempt"))
             if a is not None and not any(x.startswith("restart") for x in a.actions):
                 a.actions.append(f"restart in {e.get('delay_s', 0):.3g} s")
-        elif ev == "run_failed":
+        elif ev == Event.RUN_FAILED:
             a = attempts.get(e.get("last_attempt"))
             if a is not None:
-                a.kind = e.get("kind") or a.kind or "unknown"
+                a.kind = e.get("kind") or a.kind or Kind.UNKNOWN
                 a.actions.append("gave up: " + (e.get("reason") or ""))
-        elif ev in ("fault_injected", "hang_detected", "lock_taken_over",
-                    "orphan_worker_killed"):
+        elif ev in (Event.FAULT_INJECTED, Event.HANG_DETECTED, Event.LOCK_TAKEN_OVER,
+                    Event.ORPHAN_WORKER_KILLED):
             detail = e.get("fault") or e.get("kind") or ""
             markers.append((ts, ev, str(detail)))
         if ev in SESSION_END and s.how == "open":
-            s.how = {"run_completed": "completed", "run_failed": "failed",
-                     "supervisor_stopped": "stopped"}[ev]
+            s.how = {Event.RUN_COMPLETED: "completed", Event.RUN_FAILED: "failed",
+                     Event.SUPERVISOR_STOPPED: "stopped"}[ev]
             s.ended = ts
     if sessions and sessions[-1].how == "open":
         if running:
@@ -178,7 +180,7 @@ def build(events: list[dict], running: bool = False, now: float | None = None) -
                 if s.how == "stopped":
                     a.kind, a.how = a.kind or "stopped", "stopped with the supervisor"
                 else:
-                    a.kind = a.kind or "killed"
+                    a.kind = a.kind or Kind.KILLED
                     a.how = "the supervisor vanished (VM recycled or killed)"
                     a.actions.append("resumed by the next `orchestrator run`"
                                      if s is not sessions[-1] else "none yet: run it again")
@@ -249,8 +251,8 @@ def restarts_by_kind(tl: Timeline) -> dict[str, int]:
     by_n = {a.n: a for a in tl.attempts}
     out: dict[str, int] = {}
     for e in tl.events:
-        if e.get("event") == "restart":
+        if e.get("event") == Event.RESTART:
             a = by_n.get(e.get("after_attempt"))
-            k = (a.kind if a else None) or "unknown"
+            k = (a.kind if a else None) or Kind.UNKNOWN
             out[k] = out.get(k, 0) + 1
     return out

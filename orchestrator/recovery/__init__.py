@@ -1,1 +1,3 @@
-"""Failure kinds and what to do about them: the signature catalogue, classification, the recovery policy, the actions, accelerator probes, the TensorFlow reinstall, fault injection. No TensorFlow."""
+"""What to do about a failure: the signature catalogue and classification, the recovery policy,
+the actions, accelerator probes, the TensorFlow reinstall, fault injection. No TensorFlow.
+"""

@@ -15,6 +15,8 @@ from orchestrator.recovery.policy import Decision, next_strategy
 from orchestrator.recovery.reinstall import reinstall_tensorflow
 from orchestrator.core.rundir import ENV_BATCH_SIZE, ENV_REINIT, ENV_STRATEGY
 from orchestrator.core.spec import JobSpec
+from orchestrator.core.events import Event
+from orchestrator.core.kinds import Action
 
 
 class Remedies:
@@ -30,11 +32,11 @@ class Remedies:
     def recall(self, events: list[dict]) -> None:
         """Recovery actions of earlier sessions still hold (halved batch, fallen-back strategy)."""
         for e in events:
-            if e["event"] == "recovery":
+            if e["event"] == Event.RECOVERY:
                 self.batch_size = e.get("batch_size") or self.batch_size
                 self.strategy = e.get("strategy") or self.strategy
-                self.reinstalls += e.get("action") == "reinstall_tensorflow"
-            elif e["event"] == "worker_ready" and e.get("strategy_kind"):
+                self.reinstalls += e.get("action") == Action.REINSTALL_TENSORFLOW
+            elif e["event"] == Event.WORKER_READY and e.get("strategy_kind"):
                 self.ran_on = e["strategy_kind"]
 
     def probe(self) -> Callable[[], probes.ProbeResult]:
@@ -57,17 +59,17 @@ class Remedies:
     def applicable(self, action: str) -> str | None:
         """None when ``action`` can be taken now, else why not (the policy skips the rung)."""
         r = self.spec.recovery
-        if action == "reinstall_tensorflow":
+        if action == Action.REINSTALL_TENSORFLOW:
             if not r.reinstall_tensorflow:
                 return "not enabled (recovery.reinstall_tensorflow: false)"
             if self.reinstalls >= r.reinstall_max:
                 return f"done {self.reinstalls} time(s) this run (recovery.reinstall_max)"
-        if action == "halve_batch":
+        if action == Action.HALVE_BATCH:
             if not r.halve_batch:
                 return "not enabled (recovery.halve_batch: false)"
             if self.batch_size // 2 < r.min_batch_size:
                 return f"batch {self.batch_size} is at the minimum"
-        if action == "fallback_strategy":
+        if action == Action.FALLBACK_STRATEGY:
             if not r.strategy_fallback:
                 return "not enabled (recovery.strategy_fallback: false)"
             if next_strategy(self.current_strategy()) is None:
@@ -86,14 +88,14 @@ class Remedies:
 
     def apply(self, d: Decision, env: dict) -> tuple[str, dict]:
         """Carry out ``d`` before the next attempt; returns (detail, extra journal fields)."""
-        if d.action == "reinit_accelerator":
+        if d.action == Action.REINIT_ACCELERATOR:
             self.reinit_next = True
             return "the next attempt shuts down and initialises the accelerator system", {}
-        if d.action == "halve_batch":
+        if d.action == Action.HALVE_BATCH:
             old = self.batch_size
             self.batch_size = max(self.spec.recovery.min_batch_size, old // 2)
             return f"per-replica batch {old} -> {self.batch_size}", {"batch_size": self.batch_size}
-        if d.action == "fallback_strategy":
+        if d.action == Action.FALLBACK_STRATEGY:
             old, skipped = self.current_strategy(), []
             self.strategy = next_strategy(old)
             while self.strategy != "cpu" and not (res := self.probe()()).ok:
@@ -101,13 +103,13 @@ class Remedies:
                 self.strategy = next_strategy(self.strategy)
             note = f" (passed over {'; '.join(skipped)})" if skipped else ""
             return f"strategy {old} -> {self.strategy}{note}", {"strategy": self.strategy}
-        if d.action == "wait_accelerator":
+        if d.action == Action.WAIT_ACCELERATOR:
             r = self.spec.recovery
             res, waited, count = probes.wait_until_ok(self.probe(), r.wait_initial, r.wait_max,
                                                       r.wait_timeout, self.sleep)
             return (f"waited {waited:.1f} s, {count} probe(s): {res.accelerator} {res.state}: "
                     f"{res.detail}", {"probe": res.as_dict()})
-        if d.action == "reinstall_tensorflow":
+        if d.action == Action.REINSTALL_TENSORFLOW:
             self.say("reinstalling TensorFlow (recovery.reinstall_tensorflow)")
             self.reinstalls += 1
             result = reinstall_tensorflow(self.spec.recovery, env)

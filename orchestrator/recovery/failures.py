@@ -18,9 +18,8 @@ from importlib import resources
 import yaml
 
 from orchestrator.core.rundir import EXIT_CONFIG
+from orchestrator.core.kinds import KINDS, Kind
 
-KINDS = ("accelerator_context", "accelerator_unavailable", "accelerator_busy", "out_of_memory",
-         "storage", "hang", "killed", "user_error", "unknown")
 IGNORE = "ignore"
 # Signals that come from outside (the user, the OOM killer, a recycled VM, our own stop).
 _KILL_SIGNALS = {signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP}
@@ -157,11 +156,11 @@ def classify(exit_code: int | None = None, error: dict | None = None, log: str =
              hang_s: float | None = None) -> Diagnosis:
     """The kind of one failed attempt, from the most to the least specific evidence."""
     if hang_s is not None:
-        return Diagnosis("hang", None, f"no heartbeat for {hang_s:.1f} s")
+        return Diagnosis(Kind.HANG, None, f"no heartbeat for {hang_s:.1f} s")
     if error and error.get("fatal"):
-        return Diagnosis("user_error", None, _error_line(error))
+        return Diagnosis(Kind.USER_ERROR, None, _error_line(error))
     if exit_code is not None and exit_code < 0 and -exit_code in _KILL_SIGNALS:
-        return Diagnosis("killed", None, f"killed by {_signal_name(-exit_code)}")
+        return Diagnosis(Kind.KILLED, None, f"killed by {_signal_name(-exit_code)}")
     if error:
         text = f"{error.get('qualified_type') or error.get('type')}: {error.get('message', '')}"
         m = match_text(text)
@@ -172,14 +171,14 @@ def classify(exit_code: int | None = None, error: dict | None = None, log: str =
     if m:
         return Diagnosis(m.signature.kind, m.signature.id, m.evidence, m.signature.escalate)
     if exit_code == EXIT_CONFIG:
-        return Diagnosis("user_error", None, f"exit code {EXIT_CONFIG} (configuration)")
+        return Diagnosis(Kind.USER_ERROR, None, f"exit code {EXIT_CONFIG} (configuration)")
     if exit_code is not None and exit_code > 128 and exit_code - 128 in _KILL_SIGNALS:
-        return Diagnosis("killed", None, f"exit code {exit_code} ({_signal_name(exit_code - 128)})")
+        return Diagnosis(Kind.KILLED, None, f"exit code {exit_code} ({_signal_name(exit_code - 128)})")
     if error:
-        return Diagnosis("unknown", None, _error_line(error))
+        return Diagnosis(Kind.UNKNOWN, None, _error_line(error))
     if exit_code is not None and exit_code < 0:
-        return Diagnosis("unknown", None, f"killed by {_signal_name(-exit_code)}")
-    return Diagnosis("unknown", None, f"exit code {exit_code}" if exit_code is not None
+        return Diagnosis(Kind.UNKNOWN, None, f"killed by {_signal_name(-exit_code)}")
+    return Diagnosis(Kind.UNKNOWN, None, f"exit code {exit_code}" if exit_code is not None
                      else "no known signature")
 
 
@@ -195,7 +194,7 @@ def kind_of(ended: dict) -> str | None:
     if code == 0:
         return None
     if ended.get("signal") or (isinstance(code, int) and code < 0):
-        return "killed"
+        return Kind.KILLED
     if code == EXIT_CONFIG:
-        return "user_error"
-    return "unknown"
+        return Kind.USER_ERROR
+    return Kind.UNKNOWN

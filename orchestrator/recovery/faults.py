@@ -33,6 +33,7 @@ from orchestrator.recovery import failures
 from orchestrator.checkpoint.store import COMMIT_MARKER
 from orchestrator.checkpoint.tiers import DURABLE_MARKER
 from orchestrator.core.osutil import read_json, write_json_atomic
+from orchestrator.core.events import Event
 
 ENV = "ORCHESTRATOR_FAULTS"
 _SPEC = re.compile(r"^(?P<what>kill|hang|raise|exit|corrupt-checkpoint|storage-down)"
@@ -166,7 +167,7 @@ class Injector:
             fh.flush()
             os.fsync(fh.fileno())
         if self.journal is not None:
-            self.journal.append("fault_injected", source="worker", **record)
+            self.journal.append(Event.FAULT_INJECTED, source="worker", **record)
         print(f"[fault] injecting {f.text} (attempt {self.attempt})", flush=True)
         return True
 

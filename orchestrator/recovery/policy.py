@@ -15,22 +15,23 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from orchestrator.core.spec import RecoverySpec, Rung
+from orchestrator.core.kinds import Action, Kind
 
-GIVE_UP = "give_up"
+GIVE_UP = Action.GIVE_UP
 STRATEGY_ORDER = ("tpu", "gpu", "cpu")
 
 DEFAULT_LADDERS: dict[str, tuple[Rung, ...]] = {
     # a fresh process, then a fresh TPU system, then a fresh TensorFlow, then another device
-    "accelerator_context": (Rung("restart"), Rung("reinit_accelerator"),
-                            Rung("reinstall_tensorflow"), Rung("fallback_strategy")),
-    "accelerator_unavailable": (Rung("wait_accelerator", 3), Rung("fallback_strategy")),
-    "accelerator_busy": (Rung("wait_accelerator", 3),),
-    "out_of_memory": (Rung("halve_batch", 2), Rung("restart")),
-    "storage": (Rung("restart", None),),  # the restart backoff is the wait
-    "hang": (Rung("restart", 2),),
-    "killed": (Rung("restart", None),),   # preemptions: as long as the budget lasts
-    "user_error": (),                     # retrying will not help ([restart] to confirm once)
-    "unknown": (Rung("restart", None),),
+    Kind.ACCELERATOR_CONTEXT: (Rung(Action.RESTART), Rung(Action.REINIT_ACCELERATOR),
+                            Rung(Action.REINSTALL_TENSORFLOW), Rung(Action.FALLBACK_STRATEGY)),
+    Kind.ACCELERATOR_UNAVAILABLE: (Rung(Action.WAIT_ACCELERATOR, 3), Rung(Action.FALLBACK_STRATEGY)),
+    Kind.ACCELERATOR_BUSY: (Rung(Action.WAIT_ACCELERATOR, 3),),
+    Kind.OUT_OF_MEMORY: (Rung(Action.HALVE_BATCH, 2), Rung(Action.RESTART)),
+    Kind.STORAGE: (Rung(Action.RESTART, None),),  # the restart backoff is the wait
+    Kind.HANG: (Rung(Action.RESTART, 2),),
+    Kind.KILLED: (Rung(Action.RESTART, None),),   # preemptions: as long as the budget lasts
+    Kind.USER_ERROR: (),                     # retrying will not help ([restart] to confirm once)
+    Kind.UNKNOWN: (Rung(Action.RESTART, None),),
 }
 
 

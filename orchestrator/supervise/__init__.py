@@ -1,1 +1,3 @@
-"""The supervisor process: the loop, the attempt, the run lock, hang handling, the console. Never imports TensorFlow nor train/."""
+"""The supervisor process: the loop, the attempt, the run lock, hang handling, the console. Never
+imports TensorFlow nor train/.
+"""

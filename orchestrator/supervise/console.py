@@ -19,6 +19,7 @@ from watchdog.observers import Observer
 from orchestrator.core import heartbeat
 from orchestrator.core.journal import Journal
 from orchestrator.core.formatting import fmt_duration, fmt_metrics
+from orchestrator.core.events import Event
 
 PREFIX = "[orchestrator]"
 BAR_WIDTH = 24
@@ -148,7 +149,7 @@ class Progress:
             self._draw(render_bar(epoch + 1, self.epochs, batch, spe, rate))
 
     def _read_steps_per_epoch(self) -> int | None:
-        for e in Journal(os.path.join(self.run_dir, "events.jsonl")).iter("worker_ready"):
+        for e in Journal(os.path.join(self.run_dir, "events.jsonl")).iter(Event.WORKER_READY):
             if e.get("attempt") == self.attempt and e.get("steps_per_epoch"):
                 self._steps_per_epoch[self.attempt] = int(e["steps_per_epoch"])
         return self._steps_per_epoch.get(self.attempt)

@@ -47,6 +47,8 @@ from orchestrator.recovery.policy import GIVE_UP, Decision, Failure, RecoveryPol
 from orchestrator.recovery.actions import Remedies
 from orchestrator.core.rundir import EXIT_STOPPED, RunDir
 from orchestrator.core.spec import JobSpec
+from orchestrator.core.events import Event
+from orchestrator.core.kinds import Kind
 
 LOCK_REFRESH_S = 5.0
 
@@ -65,7 +67,7 @@ class AttemptFailed(Exception):
         if self.decision:
             return self.decision.kind  # after escalation
         return self.diagnosis.kind if self.diagnosis else (
-            kind_of({"exit_code": self.exit_code}) or "unknown")
+            kind_of({"exit_code": self.exit_code}) or Kind.UNKNOWN)
 
     @property
     def recoverable(self) -> bool:
@@ -195,7 +197,7 @@ class Supervisor:
             if isinstance(exc, KeyboardInterrupt):
                 self.stop_signal = signal.SIGINT
             self._stop_worker()
-            self.journal.append("supervisor_stopped", reason="signal")
+            self.journal.append(Event.SUPERVISOR_STOPPED, reason="signal")
             self.say("stopped; the run resumes when `orchestrator run` is started again")
             return EXIT_STOPPED
         finally:
@@ -212,13 +214,13 @@ class Supervisor:
     def _open_run(self, stale: dict | None) -> None:
         self._check_resume()
         events = self.journal.events()
-        self._journaled_epochs = {e["epoch"] for e in events if e["event"] == "epoch_completed"}
-        self._journaled_ckpts = {e["step"] for e in events if e["event"] == "checkpoint_committed"}
+        self._journaled_epochs = {e["epoch"] for e in events if e["event"] == Event.EPOCH_COMPLETED}
+        self._journaled_ckpts = {e["step"] for e in events if e["event"] == Event.CHECKPOINT_COMMITTED}
         self._attempts_before = max((e["attempt"] for e in events
-                                     if e["event"] == "attempt_started"), default=0)
+                                     if e["event"] == Event.ATTEMPT_STARTED), default=0)
         if stale:
             self.say(f"took over the run directory from a dead supervisor ({stale['reason']})")
-            self.journal.append("lock_taken_over", previous=stale)
+            self.journal.append(Event.LOCK_TAKEN_OVER, previous=stale)
             self._kill_orphan(events)
         shutil.copyfile(self.spec.job_path, self.rd.job_copy)
         info = read_json(self.rd.run_info)
@@ -230,7 +232,7 @@ class Supervisor:
                                                  "training_hash": self.spec.training_hash(),
                                                  "training": self.spec.training_relevant()})
         elif self._forced is not None:
-            self.journal.append("resume_forced", **self._forced)
+            self.journal.append(Event.RESUME_FORCED, **self._forced)
             write_json_atomic(self.rd.run_info, dict(
                 info, job_path=self.spec.job_path, training_hash=self.spec.training_hash(),
                 training=self.spec.training_relevant(),
@@ -238,7 +240,7 @@ class Supervisor:
                 + [info.get("training_hash")]))
         self.remedies.recall(events)
         resumed = bool(events)
-        self.journal.append("run_resumed" if resumed else "run_started", job=self.spec.job_path,
+        self.journal.append(Event.RUN_RESUMED if resumed else Event.RUN_STARTED, job=self.spec.job_path,
                             epochs=self.spec.epochs, pid=os.getpid())
         self._reconcile()
         done = self._latest_epoch()
@@ -251,7 +253,7 @@ class Supervisor:
         moved = tiers.set_aside_local(self.store)
         if moved:
             dest, n = moved
-            self.journal.append("local_checkpoints_set_aside", path=self.store.local.root,
+            self.journal.append(Event.LOCAL_CHECKPOINTS_SET_ASIDE, path=self.store.local.root,
                                 moved_to=dest, entries=n)
             self.say(f"the local checkpoint folder {self.store.local.root} held {n} entr"
                      f"{'y' if n == 1 else 'ies'} of an earlier run in this run directory (its "
@@ -281,16 +283,16 @@ class Supervisor:
 
     def _kill_orphan(self, events: list[dict]) -> None:
         """A worker of a dead supervisor may still run (same host): stop it before we start."""
-        started = {e["attempt"]: e for e in events if e["event"] == "attempt_started"}
-        ended = {e["attempt"] for e in events if e["event"] == "attempt_ended"}
+        started = {e["attempt"]: e for e in events if e["event"] == Event.ATTEMPT_STARTED}
+        ended = {e["attempt"] for e in events if e["event"] == Event.ATTEMPT_ENDED}
         for n, e in started.items():
             pid = e.get("pid")
             if n not in ended and pid and e.get("host") == os.uname().nodename and pid_alive(pid):
                 try:
                     os.killpg(pid, signal.SIGKILL)
-                    self.journal.append("orphan_worker_killed", attempt=n, pid=pid)
+                    self.journal.append(Event.ORPHAN_WORKER_KILLED, attempt=n, pid=pid)
                 except (ProcessLookupError, PermissionError) as exc:
-                    self.journal.append("orphan_worker_not_killed", attempt=n, pid=pid,
+                    self.journal.append(Event.ORPHAN_WORKER_NOT_KILLED, attempt=n, pid=pid,
                                         reason=str(exc))
 
     def _attempt_loop(self) -> None:
@@ -312,7 +314,7 @@ class Supervisor:
         failure = rs.outcome.exception()
         delay = rs.next_action.sleep if rs.next_action else 0.0
         self.restarts += 1
-        self.journal.append("restart", after_attempt=failure.attempt, delay_s=round(delay, 3),
+        self.journal.append(Event.RESTART, after_attempt=failure.attempt, delay_s=round(delay, 3),
                             restart=self.restarts, budget=self.spec.restarts.max)
         self.progress.restarted(self.restarts, failure.attempt, failure.kind, failure.describe(),
                                 f"restarting in {delay:.1f} s "
@@ -336,7 +338,7 @@ class Supervisor:
                                          env=env, cwd=self.spec.job_dir)
         proc = self.proc
         self.hang.start(n)
-        self.journal.append("attempt_started", attempt=n, pid=proc.pid, host=os.uname().nodename,
+        self.journal.append(Event.ATTEMPT_STARTED, attempt=n, pid=proc.pid, host=os.uname().nodename,
                             from_epoch=self._latest_epoch(), log=self.rd.attempt_log(n))
         self.progress.attempt_started(n, self._latest_epoch())
         threading.Thread(target=lambda: self.q.put(("exit", proc, proc.wait())),
@@ -356,7 +358,7 @@ class Supervisor:
                 error = error or {"type": "IncompleteRun",
                                   "message": "the worker exited 0 before the last epoch"}
             diagnosis = classify(rc, error, read_tail(self.rd.attempt_log(n)), hang_s)
-        self.journal.append("attempt_ended", attempt=n, exit_code=rc,
+        self.journal.append(Event.ATTEMPT_ENDED, attempt=n, exit_code=rc,
                             signal=_signal_name(-rc) if rc < 0 else None,
                             duration_s=round(duration, 3), error=_summary(error),
                             epoch=self._latest_epoch(),
@@ -371,7 +373,7 @@ class Supervisor:
         decision = self.policy.decide(failure, self.restarts)
         detail, fields = (decision.reason, {}) if decision.action == GIVE_UP else \
             self.remedies.apply(decision, self._attempt_env())
-        self.journal.append("recovery", attempt=n, kind=decision.kind, action=decision.action,
+        self.journal.append(Event.RECOVERY, attempt=n, kind=decision.kind, action=decision.action,
                             detail=detail, **fields)
         raise AttemptFailed(n, rc if rc != 0 else 1, error, duration, diagnosis, decision)
 
@@ -406,7 +408,7 @@ class Supervisor:
     def _stop_hung(self, proc: subprocess.Popen, n: int) -> tuple[int, float]:
         """Stack dump of every thread into the attempt log, SIGTERM, grace, SIGKILL the group."""
         age = self.hang.age()
-        self.journal.append("hang_detected", attempt=n, last_heartbeat_age_s=round(age, 3),
+        self.journal.append(Event.HANG_DETECTED, attempt=n, last_heartbeat_age_s=round(age, 3),
                             timeout_s=self.hang.timeout, pid=proc.pid)
         self.say(f"attempt {n}: no heartbeat for {age:.1f} s (limit {self.hang.timeout:g} s): "
                  f"dumping its stacks into {self.rd.attempt_log(n)} and stopping it")
@@ -418,7 +420,7 @@ class Supervisor:
                 return item[2], age
 
     def _ready_strategy(self, n: int) -> str | None:
-        return next((e.get("strategy_kind") for e in self.journal.iter("worker_ready")
+        return next((e.get("strategy_kind") for e in self.journal.iter(Event.WORKER_READY)
                      if e.get("attempt") == n), None)
 
     def _position(self, n: int, error: dict | None) -> str:
@@ -442,10 +444,10 @@ class Supervisor:
         res = self.remedies.probe()()
         changed = res.ok != self._accel_ok
         if not running or changed:
-            self.journal.append("accelerator_probe", attempt=attempt, running=running,
+            self.journal.append(Event.ACCELERATOR_PROBE, attempt=attempt, running=running,
                                 **res.as_dict())
         if running and changed and not res.ok:
-            self.journal.append("accelerator_lost", attempt=attempt, **res.as_dict())
+            self.journal.append(Event.ACCELERATOR_LOST, attempt=attempt, **res.as_dict())
             self.say(f"accelerator lost during attempt {attempt}: {res.detail}")
         self._accel_ok = res.ok
 
@@ -465,13 +467,13 @@ class Supervisor:
                 if e is None or e in self._journaled_epochs or e > c.epoch:
                     continue
                 metrics = {k: v for k, v in h.items() if k != "epoch"}
-                self.journal.append("epoch_completed", epoch=e, metrics=metrics,
+                self.journal.append(Event.EPOCH_COMPLETED, epoch=e, metrics=metrics,
                                     attempt=c.manifest.get("attempt"))
                 self._journaled_epochs.add(e)
                 self.progress.epoch_completed(e, metrics, c.manifest.get("attempt"),
                                               c.step if e == c.epoch else None,
                                               c.manifest.get("committed_at"))
-            self.journal.append("checkpoint_committed", epoch=c.epoch,
+            self.journal.append(Event.CHECKPOINT_COMMITTED, epoch=c.epoch,
                                 batch=c.manifest.get("batch", 0), step=c.step, path=c.path,
                                 weights_sha256=c.manifest.get("weights_sha256"),
                                 state_sha256=c.manifest.get("state_sha256"))
@@ -492,9 +494,9 @@ class Supervisor:
         final = self.store.latest_valid()
         fp = final.manifest.get("weights_sha256") if final else None
         pending = self._flush_durable()
-        already = any(True for _ in self.journal.iter("run_completed"))
+        already = any(True for _ in self.journal.iter(Event.RUN_COMPLETED))
         if not already:
-            self.journal.append("run_completed", epochs=final.epoch, weights_sha256=fp,
+            self.journal.append(Event.RUN_COMPLETED, epochs=final.epoch, weights_sha256=fp,
                                 state_sha256=final.manifest.get("state_sha256"),
                                 checkpoint=final.path, restarts=self.restarts,
                                 durable_pending=pending)
@@ -508,7 +510,7 @@ class Supervisor:
         timeout = self.spec.checkpoint.flush_timeout
         pending = self.mirror.flush(timeout)
         if pending:
-            self.journal.append("durable_backlog", steps=pending, at="run_end",
+            self.journal.append(Event.DURABLE_BACKLOG, steps=pending, at="run_end",
                                 local_dir=self.store.local.root)
             self.say(f"WARNING: {len(pending)} checkpoint(s) are not durable after {timeout:.0f} s "
                      f"(steps {pending}); they are only in {self.store.local.root}. Run the same "
@@ -531,19 +533,19 @@ class Supervisor:
                                  stdin=subprocess.DEVNULL, cwd=self.spec.job_dir,
                                  env=_worker_env(self._base_env()))
         if rc == 0:
-            self.journal.append("exported", path=self.rd.export, step=final.step,
+            self.journal.append(Event.EXPORTED, path=self.rd.export, step=final.step,
                                 seconds=round(time.time() - t0, 3))
             self.say(f"exported the model for inference to {self.rd.export}")
         else:
-            self.journal.append("export_failed", exit_code=rc, log=log)
+            self.journal.append(Event.EXPORT_FAILED, exit_code=rc, log=log)
             self.say(f"export failed (exit code {rc}); see {log}; retry with "
                      f"`orchestrator export {self.rd.root}`")
 
     def _give_up(self, failure: AttemptFailed) -> int:
         d, diag = failure.decision, failure.diagnosis
         reason = d.reason if d else "gave up"
-        tried = [e["action"] for e in self.journal.iter("recovery") if e["action"] != GIVE_UP]
-        self.journal.append("run_failed", reason=reason, last_attempt=failure.attempt,
+        tried = [e["action"] for e in self.journal.iter(Event.RECOVERY) if e["action"] != GIVE_UP]
+        self.journal.append(Event.RUN_FAILED, reason=reason, last_attempt=failure.attempt,
                             exit_code=failure.exit_code, error=_summary(failure.error),
                             epoch=self._latest_epoch(), restarts=self.restarts,
                             kind=d.kind if d else None,

@@ -26,6 +26,7 @@ from orchestrator.core.osutil import write_json_atomic
 from orchestrator.core.rundir import (CPU_DEVICES_ENV, ENV_BATCH_SIZE, ENV_REINIT, ENV_STRATEGY, EXIT_CONFIG,
                      RunDir)
 from orchestrator.core.spec import JobSpec, SpecError, load
+from orchestrator.core.events import Event
 
 
 class JobError(Exception):
@@ -218,7 +219,7 @@ def train(spec: JobSpec, rd: RunDir, attempt: int, progress, t_start: float,
     skipped = []
     latest = store.latest_valid(on_skip=lambda c, why: skipped.append((c, why)))
     for c, why in skipped:
-        journal.append("checkpoint_skipped", source="worker", attempt=attempt, step=c.step,
+        journal.append(Event.CHECKPOINT_SKIPPED, source="worker", attempt=attempt, step=c.step,
                        path=c.path, reason=why)
     at = resume.plan(latest.manifest if latest else None, global_batch=global_batch,
                      steps_per_epoch=spe, deterministic=spec.deterministic)
@@ -245,7 +246,7 @@ def train(spec: JobSpec, rd: RunDir, attempt: int, progress, t_start: float,
                                 "ends one call early")
     marks["restored"] = round(time.time() - t_start, 3)
     progress.epoch, progress.batch, progress.step = at.epoch, at.batch, at.step
-    journal.append("worker_ready", source="worker", attempt=attempt, strategy=described,
+    journal.append(Event.WORKER_READY, source="worker", attempt=attempt, strategy=described,
                    strategy_kind=described.split()[0].lower(), reinitialised=reinitialise,
                    batch_size=spec.batch_size, replicas=replicas, global_batch=global_batch,
                    steps_per_epoch=spe,
@@ -256,7 +257,7 @@ def train(spec: JobSpec, rd: RunDir, attempt: int, progress, t_start: float,
                    phases_s=marks)
 
     def not_exact(reasons):
-        journal.append("resume_not_exact", source="worker", attempt=attempt, step=at.step,
+        journal.append(Event.RESUME_NOT_EXACT, source="worker", attempt=attempt, step=at.step,
                        reasons=list(reasons))
         for r in reasons:
             print(f"[worker] resume not exact: {r}", flush=True)
@@ -274,7 +275,7 @@ def train(spec: JobSpec, rd: RunDir, attempt: int, progress, t_start: float,
                      "global_batch": global_batch, "replicas": replicas,
                      "steps_per_epoch": spe, "deterministic": spec.deterministic}
     prog_cb = ProgressCallback(progress, on_first_step=lambda: journal.append(
-        "first_step", source="worker", attempt=attempt, since_start_s=round(
+        Event.FIRST_STEP, source="worker", attempt=attempt, since_start_s=round(
             time.time() - t_start, 3)))
     inner = [prog_cb]
     if schedule is not None:
@@ -327,9 +328,9 @@ def _export_at_end(spec: JobSpec, rd: RunDir, store, model, journal, heart, atte
     except Exception as exc:  # noqa: BLE001 - the run is done; the supervisor's exporter retries
         print(f"[worker] export failed, the supervisor will retry it in its own process: "
               f"{type(exc).__name__}: {exc}", flush=True)
-        journal.append("export_failed", source="worker", attempt=attempt, error=str(exc))
+        journal.append(Event.EXPORT_FAILED, source="worker", attempt=attempt, error=str(exc))
         return
-    journal.append("exported", source="worker", attempt=attempt, path=rd.export,
+    journal.append(Event.EXPORTED, source="worker", attempt=attempt, path=rd.export,
                    step=final.step, seconds=round(time.time() - t0, 3))
 
 

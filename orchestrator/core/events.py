@@ -1,0 +1,80 @@
+"""Every event name the journal (events.jsonl) can hold, defined once.
+
+Both processes write events (the supervisor most, the worker ``worker_ready``, ``first_step``,
+``fault_injected``, ``resume_not_exact`` and ``checkpoint_skipped``); status, the timeline and
+the report read them. Names are plain strings in the file, so a journal stays readable by
+``jq`` and by older versions.
+"""
+from __future__ import annotations
+
+
+class Event:
+    """The journal's event names (``Event.RUN_STARTED == "run_started"``)."""
+
+    #: a supervisor session starts a new run
+    RUN_STARTED = "run_started"
+    #: a supervisor session resumes a run
+    RUN_RESUMED = "run_resumed"
+    #: the last epoch is committed (or a callback ended training)
+    RUN_COMPLETED = "run_completed"
+    #: the policy gave up
+    RUN_FAILED = "run_failed"
+    #: the supervisor was stopped (signal, notebook interrupt)
+    SUPERVISOR_STOPPED = "supervisor_stopped"
+    #: the lock of a dead supervisor was taken over
+    LOCK_TAKEN_OVER = "lock_taken_over"
+    #: a dead supervisor's worker was stopped
+    ORPHAN_WORKER_KILLED = "orphan_worker_killed"
+    #: ... or could not be
+    ORPHAN_WORKER_NOT_KILLED = "orphan_worker_not_killed"
+    #: resumed under a changed training hash (--force)
+    RESUME_FORCED = "resume_forced"
+    #: a new run moved an earlier run's local checkpoints aside
+    LOCAL_CHECKPOINTS_SET_ASIDE = "local_checkpoints_set_aside"
+    #: a worker process was started
+    ATTEMPT_STARTED = "attempt_started"
+    #: the worker built its model and restored (start-up phases)
+    WORKER_READY = "worker_ready"
+    #: the attempt's first training step is done
+    FIRST_STEP = "first_step"
+    #: the worker process exited (kind when it failed)
+    ATTEMPT_ENDED = "attempt_ended"
+    #: no heartbeat for hang_timeout
+    HANG_DETECTED = "hang_detected"
+    #: the accelerator was probed
+    ACCELERATOR_PROBE = "accelerator_probe"
+    #: a probe failed while a worker ran
+    ACCELERATOR_LOST = "accelerator_lost"
+    #: the policy's action for a failed attempt
+    RECOVERY = "recovery"
+    #: the next attempt is started after a delay
+    RESTART = "restart"
+    #: an injected fault fired
+    FAULT_INJECTED = "fault_injected"
+    #: a resume that cannot be bit-exact, and why
+    RESUME_NOT_EXACT = "resume_not_exact"
+    #: an epoch is covered by a committed checkpoint
+    EPOCH_COMPLETED = "epoch_completed"
+    #: a checkpoint was committed (either tier)
+    CHECKPOINT_COMMITTED = "checkpoint_committed"
+    #: a checkpoint due was not written, and why
+    CHECKPOINT_SKIPPED = "checkpoint_skipped"
+    #: a checkpoint was copied to the durable tier and read back
+    CHECKPOINT_DURABLE = "checkpoint_durable"
+    #: retention removed checkpoints
+    CHECKPOINTS_RETIRED = "checkpoints_retired"
+    #: the durable tier failed
+    DURABLE_UNREACHABLE = "durable_unreachable"
+    #: the durable tier works again
+    DURABLE_RESTORED = "durable_restored"
+    #: checkpoints not yet durable
+    DURABLE_BACKLOG = "durable_backlog"
+    #: the remount hook ran
+    REMOUNT = "remount"
+    #: the model for inference was written
+    EXPORTED = "exported"
+    #: the export failed
+    EXPORT_FAILED = "export_failed"
+
+
+ALL = frozenset(v for k, v in vars(Event).items() if k.isupper())
