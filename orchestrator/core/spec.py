@@ -93,7 +93,8 @@ class CallbackSpec:
 
 @dataclass(frozen=True)
 class RestartSpec:
-    max: int = 3
+    max: int = 3                     # failures of the job or the runtime since the last new checkpoint
+    preemptions: int | None = None   # kills from outside (preemptions); None: no limit
     backoff_initial: float = 1.0
     backoff_max: float = 60.0
     backoff_multiplier: float = 2.0
@@ -160,6 +161,8 @@ class JobSpec:
     hang_timeout: float = 300.0      # no heartbeat for this long while training: a hang
     startup_timeout: float = 1800.0  # ... before the first training heartbeat of an attempt
     stop_grace: float = 10.0         # SIGTERM -> SIGKILL of a worker's process group
+    preempt_grace: float = 20.0      # SIGTERM -> emergency checkpoint and exit (spot VMs: ~30 s)
+    standby: str = "auto"            # a warm standby worker: auto | off | import_only
     probe_interval: float = 60.0     # accelerator probe period while an attempt runs
     recovery: RecoverySpec = RecoverySpec()
 
@@ -302,10 +305,13 @@ class _Reader:
         return Factory(target, dict(args))
 
 
+STANDBY_MODES = ("auto", "off", "import_only")
+
 TOP_KEYS = {
     "name", "model", "data", "compile", "epochs", "batch_size", "strategy", "run_dir", "seed",
     "checkpoint", "restarts", "heartbeat_interval", "deterministic", "learning_rate", "callbacks",
     "hang_timeout", "startup_timeout", "stop_grace", "probe_interval", "recovery",
+    "preempt_grace", "standby",
 }
 RECOVERY_KEYS = {
     "ladders", "reinstall_tensorflow", "reinstall_max", "pip", "pip_args",
@@ -483,12 +489,13 @@ def load(path: str, run_dir: str | None = None) -> JobSpec:
 
     restarts = RestartSpec()
     if "restarts" in data:
-        c = r.mapping(data["restarts"], "restarts", {"max", "backoff"})
+        c = r.mapping(data["restarts"], "restarts", {"max", "preemptions", "backoff"})
         b = {}
         if "backoff" in c:
             b = r.mapping(c["backoff"], "restarts.backoff", {"initial", "max", "multiplier"})
         restarts = RestartSpec(
             max=r.integer(c, "max", "restarts.max", 3, 0),
+            preemptions=r.integer(c, "preemptions", "restarts.preemptions", None, 0),
             backoff_initial=r.number(b, "initial", "restarts.backoff.initial", 1.0, 0),
             backoff_max=r.number(b, "max", "restarts.backoff.max", 60.0, 0),
             backoff_multiplier=r.number(b, "multiplier", "restarts.backoff.multiplier", 2.0, 1),
@@ -516,6 +523,8 @@ def load(path: str, run_dir: str | None = None) -> JobSpec:
         hang_timeout=r.number(data, "hang_timeout", "hang_timeout", 300.0, 0.1),
         startup_timeout=r.number(data, "startup_timeout", "startup_timeout", 1800.0, 0.1),
         stop_grace=r.number(data, "stop_grace", "stop_grace", 10.0, 0),
+        preempt_grace=r.number(data, "preempt_grace", "preempt_grace", 20.0, 0),
+        standby=r.string(data, "standby", "standby", "auto", STANDBY_MODES),
         probe_interval=r.number(data, "probe_interval", "probe_interval", 60.0, 0.1),
         recovery=_recovery(r, data["recovery"]) if "recovery" in data else RecoverySpec(),
     )
