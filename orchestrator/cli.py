@@ -7,7 +7,7 @@ import sys
 
 from orchestrator.core.lock import LockedError
 from orchestrator.core.spec import SpecError
-from orchestrator.supervise.supervisor import IncompatibleResume
+from orchestrator.supervise.admission import IncompatibleResume
 
 EXIT_USAGE = 2
 EXIT_LOCKED = 3

@@ -18,7 +18,8 @@ from orchestrator.checkpoint import tiers
 from orchestrator.core.journal import Journal
 from orchestrator.core.spec import load
 from orchestrator.ops.status import format_status, run_status
-from orchestrator.supervise.supervisor import IncompatibleResume, Supervisor
+from orchestrator.supervise.admission import IncompatibleResume
+from orchestrator.supervise.supervisor import Supervisor
 
 CKPT = "checkpoint: {keep: 2, keep_every_epochs: 3, upload_backoff: {initial: 0.02, max: 0.1}}"
 

@@ -27,7 +27,7 @@ def test_plain_output_has_one_line_per_epoch_and_a_fault_line(fake_job, tmp_path
     faults = [ln for ln in lines if "!!" in ln]
     assert len(faults) == 1 and re.fullmatch(
         r"\[orchestrator\] !! FAULT killed: attempt 1 failed after [\d.]+ s \(killed by "
-        r"SIGKILL\) -> restarting in 0.0 s \(restart 1 of 2\)", faults[0])
+        r"SIGKILL\) -> restarting in 0.0 s \(preemption 1\)", faults[0])
     assert "\r" not in out and "\x1b[" not in out  # no bar, no colour in a log file
     assert "oneDNN" not in out  # the worker's noise stays in its attempt log
     assert "oneDNN" in (tmp_path / "run" / "attempts" / "1.log").read_text()

@@ -33,7 +33,7 @@ def test_report_of_a_finished_run(finished_run, tmp_path, capsys):
     page = open(os.path.join(out, "report.html"), encoding="utf-8").read()
     _check_self_contained(page)
     assert "Run fake: <span class=\"state\">COMPLETED</span>" in page
-    assert "<td>killed</td><td>killed by SIGKILL</td><td>restart in 0.01 s</td>" in page
+    assert "<td>killed</td><td>killed by SIGKILL</td><td>restart in 0 s</td>" in page
     assert "restarts</td><td>1 (killed: 1)" in page
 
 

@@ -56,6 +56,19 @@ def test_status_of_a_failed_run(failed_run, capsys):
     assert "failed: restart budget of 2 spent" in text
 
 
+def test_status_shows_the_preemption_budget_apart_from_the_error_budget(finished_run, capsys):
+    assert run_status(finished_run)["budgets"] == {"errors": 0, "errors_max": 2,
+                                                   "preemptions": 1, "preemptions_max": None}
+    assert cli.main(["status", finished_run]) == 0
+    assert ("budgets: errors 0 of 2 since the last checkpoint; preemptions 1 (no limit)"
+            in capsys.readouterr().out)
+
+
+def test_status_of_a_failed_run_shows_the_spent_error_budget(failed_run):
+    assert run_status(failed_run)["budgets"] == {"errors": 3, "errors_max": 2,
+                                                 "preemptions": 0, "preemptions_max": None}
+
+
 def test_status_of_no_run_dir_is_a_clear_error(tmp_path, capsys):
     assert cli.main(["status", str(tmp_path)]) == 2
     assert "not a run directory (no events.jsonl)" in capsys.readouterr().err

@@ -51,12 +51,13 @@ def test_restart_budget_is_enforced_with_a_clear_message(fake_job):
     assert "FAILED at epoch 0/4: restart budget of 2 spent" in out
 
 
-def test_backoff_grows_between_restarts(fake_job):
-    plan = {"exit": {"1": 1, "2": 1}}
+def test_backoff_grows_between_restarts_that_make_no_progress(fake_job):
+    plan = {"exit": {"1": 1, "2": 1, "3": 1}}
     _, _, events = _run(fake_job(restarts="{max: 3, backoff: {initial: 0.05, max: 1, "
-                                          "multiplier: 4}}"), plan)
+                                          "multiplier: 4}}",
+                                 extra="recovery: {crash_loop: {same_failure: 4}}"), plan)
     delays = [e["delay_s"] for e in events if e["event"] == "restart"]
-    assert delays == [0.05, 0.2]
+    assert delays == [0.0, 0.05, 0.2]  # the first restart after progress is immediate
 
 
 def test_config_error_exit_is_not_retried(fake_job):

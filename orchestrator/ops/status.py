@@ -80,6 +80,7 @@ def run_status(run_dir: str, now: float | None = None) -> dict:
         "failed_attempts": len(failed),
         "restarts": sum(1 for e in events if e["event"] == Event.RESTART),
         "restarts_by_kind": timeline.restarts_by_kind(tl),
+        "budgets": _budgets(events),
         "faults_by_kind": _count(a.kind for a in failed),
         "goodput": acct["goodput"],
         "wall_s": acct["wall_s"],
@@ -102,6 +103,19 @@ def run_status(run_dir: str, now: float | None = None) -> dict:
         "metrics": next((e.get("metrics") for e in reversed(events)
                          if e["event"] == Event.EPOCH_COMPLETED), None),
     }
+
+
+def _budgets(events: list[dict]) -> dict | None:
+    """The recovery policy's two counters as last journaled (restart, run_failed); a checkpoint
+    committed since then resets the error count, as it does in the policy."""
+    budgets = None
+    for e in events:
+        if e["event"] in (Event.RESTART, Event.RUN_FAILED) and "errors" in e:
+            budgets = {k: e.get(k) for k in ("errors", "errors_max", "preemptions",
+                                             "preemptions_max")}
+        elif e["event"] == Event.CHECKPOINT_COMMITTED and budgets:
+            budgets["errors"] = 0
+    return budgets
 
 
 def _count(items) -> dict[str, int]:
@@ -159,6 +173,12 @@ def format_status(s: dict, now: float | None = None) -> str:
     kinds = ", ".join(f"{k} {n}" for k, n in s["restarts_by_kind"].items())
     lines.append(f"  restarts: {s['restarts']}" + (f" ({kinds})" if kinds else "") +
                  f"; failed attempts: {s['failed_attempts']}")
+    b = s["budgets"]
+    if b:
+        cap = b["preemptions_max"]
+        lines.append(f"  budgets: errors {b['errors']} of {b['errors_max']} since the last "
+                     f"checkpoint; preemptions {b['preemptions']} "
+                     + (f"of {cap}" if cap is not None else "(no limit)"))
     if s["goodput"] is not None:
         lost = ", ".join(f"{k} {fmt_duration(v)}" for k, v in s["time_by_cause_s"].items())
         lines.append(f"  goodput: {s['goodput']:.1%} (useful {fmt_duration(s['useful_s'])} of "

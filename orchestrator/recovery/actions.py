@@ -1,9 +1,11 @@
 """Carrying out recovery actions, and what they change for the next worker attempts.
 
-recovery.py decides; this module does: it keeps the overrides the actions set (halved batch,
+policy.py decides; this module does: it keeps the overrides the actions set (halved batch,
 fallen-back strategy, reinitialise once, reinstalls done), says which actions can apply now,
 runs the waits and the reinstall, and turns the overrides into the next worker's environment.
 The overrides are rebuilt from the journal's ``recovery`` events, so they outlive a supervisor.
+Which actions apply is read from state only (what the last worker ran on, what the last probe
+saw): the policy asks while deciding, and a decision never waits on a probe.
 Supervisor side: never imports TensorFlow.
 """
 from __future__ import annotations
@@ -25,9 +27,10 @@ class Remedies:
         self.spec, self.base_env, self.own_pgid = spec, base_env, own_pgid
         self.sleep, self.say = sleep, say
         self.batch_size, self.strategy = spec.batch_size, None
-        self.reinit_next = False
+        self._reinit_next = False
         self.reinstalls = 0
-        self.ran_on: str | None = None  # tpu|gpu|cpu of the last worker that got ready
+        self._ran_on: str | None = None  # tpu|gpu|cpu of the last worker that got ready
+        self._seen: str | None = None    # the accelerator the last probe saw
 
     def recall(self, events: list[dict]) -> None:
         """Recovery actions of earlier sessions still hold (halved batch, fallen-back strategy)."""
@@ -37,23 +40,33 @@ class Remedies:
                 self.strategy = e.get("strategy") or self.strategy
                 self.reinstalls += e.get("action") == Action.REINSTALL_TENSORFLOW
             elif e["event"] == Event.WORKER_READY and e.get("strategy_kind"):
-                self.ran_on = e["strategy_kind"]
+                self._ran_on = e["strategy_kind"]
+
+    def ran_on(self, strategy: str | None) -> None:
+        """What the last worker got ready on (its ``worker_ready`` event), if it did."""
+        self._ran_on = strategy or self._ran_on
+
+    def probed(self, result: probes.ProbeResult) -> None:
+        """What the last accelerator probe saw (the supervisor probes before each attempt)."""
+        self._seen = result.accelerator
 
     def probe(self) -> Callable[[], probes.ProbeResult]:
         """The probe for the accelerator the next (or current) attempt runs on."""
         return probes.for_strategy(self.strategy or self.spec.strategy, self.base_env(),
                                    own_pgid=self.own_pgid)
 
-    def worker_env(self, env: dict) -> dict:
-        """``env`` with the overrides for the next attempt."""
+    def worker_env(self, env: dict, consume: bool = False) -> dict:
+        """``env`` with the overrides for the next attempt. ``consume``: this env starts that
+        attempt, so a one-shot override (reinitialise the accelerator) is used up."""
         for key in (ENV_STRATEGY, ENV_BATCH_SIZE, ENV_REINIT):
             env.pop(key, None)
         if self.strategy:
             env[ENV_STRATEGY] = self.strategy
         if self.batch_size != self.spec.batch_size:
             env[ENV_BATCH_SIZE] = str(self.batch_size)
-        if self.reinit_next:
+        if self._reinit_next:
             env[ENV_REINIT] = "1"
+            self._reinit_next = not consume
         return env
 
     def applicable(self, action: str) -> str | None:
@@ -81,15 +94,15 @@ class Remedies:
             return self.strategy
         if self.spec.strategy != "auto":
             return self.spec.strategy
-        if self.ran_on:
-            return self.ran_on
-        seen = self.probe()().accelerator
+        if self._ran_on:
+            return self._ran_on
+        seen = self._seen or "cpu"
         return "tpu" if seen.startswith("tpu") else seen
 
     def apply(self, d: Decision, env: dict) -> tuple[str, dict]:
         """Carry out ``d`` before the next attempt; returns (detail, extra journal fields)."""
         if d.action == Action.REINIT_ACCELERATOR:
-            self.reinit_next = True
+            self._reinit_next = True
             return "the next attempt shuts down and initialises the accelerator system", {}
         if d.action == Action.HALVE_BATCH:
             old = self.batch_size

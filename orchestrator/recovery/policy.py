@@ -3,18 +3,34 @@
 Read like tenacity's composed strategies: a ladder is a list of rungs (``Rung(action, times)``);
 each failure of a kind takes the next use of its ladder, skipping rungs that do not apply now
 (reinstall not opted in, batch already minimal, no strategy left to fall back to). Past the last
-rung comes ``give_up``. On top of the ladders sit the run-wide stops: the restart budget and the
-crash-loop rule (the same kind at the same step N times in a row, or K failures within T minutes
-without a new checkpoint). A new checkpoint ends a streak: ladders start again from the bottom.
+rung comes ``give_up``. On top of the ladders sit the run-wide stops, all decided here, once:
+
+- two budgets. Kills from outside (``killed``: preemptions, recycled VMs) count against
+  ``restarts.preemptions`` (no limit by default, as SkyPilot's managed jobs); every other failure
+  counts against ``restarts.max``, since the last new checkpoint, so a run that keeps
+  progressing is never stopped by scattered failures;
+- the crash-loop rule, over the job's own failures only (the same kind at the same step N times
+  in a row, or K failures within T minutes without a new checkpoint). Kills that land during
+  start-up all share "the same step" and measured as a crash loop after three (17 s) before
+  kills were set apart;
+- the backoff: the first failure after progress restarts at once; consecutive failures with no
+  new checkpoint in between wait ``restarts.backoff`` (tenacity's exponential wait), so a storm
+  of kills still slows down. A new checkpoint ends a streak: the ladders and the backoff start
+  again from the bottom.
+
+``decide`` returns the whole answer: the action, the kind acted on, the delay and the reason.
 Supervisor side: never imports TensorFlow.
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from types import SimpleNamespace
 from typing import Callable
 
-from orchestrator.core.spec import RecoverySpec, Rung
+from tenacity import wait_exponential
+
+from orchestrator.core.spec import RecoverySpec, RestartSpec, Rung
 from orchestrator.core.kinds import Action, Kind
 
 GIVE_UP = Action.GIVE_UP
@@ -51,16 +67,24 @@ class Decision:
     action: str
     kind: str            # the kind acted on (after escalation)
     reason: str          # why this action (or why giving up)
+    delay_s: float = 0.0  # how long to wait before the next attempt
+
+
+def is_preemption(kind: str) -> bool:
+    """A kill from outside: it has its own budget and never makes a crash loop by itself."""
+    return kind == Kind.KILLED
 
 
 @dataclass
 class RecoveryPolicy:
     spec: RecoverySpec
-    max_restarts: int
-    # action -> None if it can be taken now, else why not (set by the supervisor)
+    restarts: RestartSpec = RestartSpec()
+    # action -> None if it can be taken now, else why not (given by the supervisor's remedies;
+    # it reads state only, it never probes)
     applicable: Callable[[str], str | None] = lambda action: None
     clock: Callable[[], float] = time.time
     streak: list = field(default_factory=list)      # failures since the last new checkpoint
+    preemptions: int = 0                            # kills from outside, this run
     _rung: dict = field(default_factory=dict)       # kind -> (rung index, uses of it)
 
     def ladder(self, kind: str) -> tuple[Rung, ...]:
@@ -72,18 +96,40 @@ class RecoveryPolicy:
         self.streak.clear()
         self._rung.clear()
 
-    def decide(self, failure: Failure, restarts_used: int) -> Decision:
+    @property
+    def errors(self) -> list[Failure]:
+        """The failures that count against ``restarts.max``: not preemptions, since progress."""
+        return [f for f in self.streak if not is_preemption(f.kind)]
+
+    def counters(self) -> dict:
+        """Both budgets as the journal and status show them."""
+        r = self.restarts
+        return {"errors": len(self.errors), "errors_max": r.max,
+                "preemptions": self.preemptions, "preemptions_max": r.preemptions}
+
+    def decide(self, failure: Failure) -> Decision:
         failure = self._escalated(failure)
         self.streak.append(failure)
+        if is_preemption(failure.kind):
+            self.preemptions += 1
         decision = self.next_rung(failure.kind)
         if decision.action == GIVE_UP:
             return decision
-        if restarts_used >= self.max_restarts:
-            return Decision(GIVE_UP, failure.kind, f"restart budget of {self.max_restarts} spent")
-        loop = self._crash_loop()
-        if loop:
-            return Decision(GIVE_UP, failure.kind, f"crash loop: {loop}")
-        return decision
+        stop = self._budget_spent(failure) or self._crash_loop()
+        if stop:
+            return Decision(GIVE_UP, failure.kind, stop)
+        return replace(decision, delay_s=self.backoff())
+
+    def backoff(self) -> float:
+        """0 s for the first failure since progress, then the exponential wait over the
+        consecutive failures that committed nothing new (1, 2, 4 ... s by default)."""
+        n = len(self.streak)
+        if n <= 1:
+            return 0.0
+        r = self.restarts
+        wait = wait_exponential(multiplier=r.backoff_initial, exp_base=r.backoff_multiplier,
+                                max=r.backoff_max)
+        return float(wait(SimpleNamespace(attempt_number=n - 1)))
 
     def next_rung(self, kind: str) -> Decision:
         """Take the next use of ``kind``'s ladder (skipping rungs that do not apply now)."""
@@ -131,16 +177,30 @@ class RecoveryPolicy:
             return Failure(f.attempt, esc["kind"], f.signature, f.position, f.time, f.evidence)
         return f
 
+    def _budget_spent(self, failure: Failure) -> str | None:
+        r = self.restarts
+        if is_preemption(failure.kind):
+            if r.preemptions is not None and self.preemptions > r.preemptions:
+                return f"preemption budget of {r.preemptions} spent"
+            return None
+        if len(self.errors) > r.max:
+            return f"restart budget of {r.max} spent"
+        return None
+
     def _crash_loop(self) -> str | None:
+        """Over the failures that can be the job's own. A storage outage fails at the same step
+        until the mount returns, which says nothing about the job: its budget and backoff bound
+        it, as kills are bounded by theirs."""
         c = self.spec.crash_loop
-        last = self.streak[-c.same_failure:]
+        errors = [f for f in self.errors if f.kind != Kind.STORAGE]
+        last = errors[-c.same_failure:]
         if len(last) == c.same_failure and len({(f.kind, f.position) for f in last}) == 1:
-            return (f"{last[0].kind} at the same step ({last[0].position}) "
+            return (f"crash loop: {last[0].kind} at the same step ({last[0].position}) "
                     f"{c.same_failure} times in a row")
         window = c.window_minutes * 60
-        recent = [f for f in self.streak if f.time >= self.clock() - window]
+        recent = [f for f in errors if f.time >= self.clock() - window]
         if len(recent) >= c.failures:
-            return (f"{len(recent)} failures within {c.window_minutes:g} minutes "
+            return (f"crash loop: {len(recent)} failures within {c.window_minutes:g} minutes "
                     f"without a new checkpoint")
         return None
 

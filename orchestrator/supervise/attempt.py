@@ -1,0 +1,198 @@
+"""One attempt's mechanics: spawn the worker, wait on its events, stop it, kill its group.
+
+The supervisor decides *whether* and *when* to run an attempt; this module only runs it. An
+attempt goes through named phases (``Phase``): spawned in its own process group (so a stop
+reaches its data-loader children too), then waited on through one queue fed by a waiting
+thread (the exit is noticed at once), watchdog events (committed checkpoints, heartbeats) and
+periodic ``Every`` ticks; a worker that stays silent past the hang clock is dumped, stopped and
+reported with its heartbeat age. What comes back is an ``Outcome``: exit status, duration, hang
+age and the worker's own error record. Nothing here classifies or recovers.
+
+The queue is the supervisor's, not the attempt's, so an attempt that later holds several
+workers (a group, a standby) waits on the same events.
+"""
+from __future__ import annotations
+
+import enum
+import os
+import queue
+import signal
+import subprocess
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from orchestrator.core.events import Event
+from orchestrator.core.journal import Journal
+from orchestrator.core.osutil import pid_alive, read_json
+from orchestrator.supervise.hangs import HangClock, dump_stacks
+
+
+class Stopped(Exception):
+    """The supervisor was asked to stop (SIGTERM, SIGINT or KeyboardInterrupt)."""
+
+
+class Phase(enum.Enum):
+    NEW = "new"
+    RUNNING = "running"        # spawned; its heartbeat and checkpoints are watched
+    STOPPING = "stopping"      # hung: stacks dumped, SIGTERM sent, grace running
+    EXITED = "exited"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How an attempt ended, as the supervisor classifies it."""
+
+    attempt: int
+    exit_code: int
+    duration_s: float
+    hang_age_s: float | None   # heartbeat age when it was stopped as hung, else None
+    error: dict | None         # the worker's error record for this attempt, if it wrote one
+    log: str
+
+    def describe(self) -> str:
+        if self.exit_code < 0:
+            how = f"killed by {signal_name(-self.exit_code)}"
+        else:
+            how = f"exit code {self.exit_code}"
+        if self.error:
+            msg = str(self.error.get("message", "")).strip().splitlines()
+            how += f": {self.error.get('type')}: {msg[0] if msg else ''}"
+        return f"attempt {self.attempt} failed after {self.duration_s:.1f} s ({how})"
+
+
+@dataclass
+class Every:
+    """A periodic duty while an attempt runs (lock refresh, accelerator probe)."""
+
+    period: float
+    run: Callable[[], None]
+    due: float = 0.0
+
+    def arm(self) -> None:
+        self.due = time.monotonic() + self.period
+
+    def maybe(self, now: float) -> None:
+        if now >= self.due:
+            self.run()
+            self.due = time.monotonic() + self.period
+
+
+class Attempt:
+    def __init__(self, n: int, cmd: list[str], env: dict, cwd: str, log: str,
+                 events: queue.Queue, hang: HangClock, journal: Journal, say,
+                 error_record: str, stop_grace: float):
+        self.n, self.cmd, self.env, self.cwd, self.log = n, cmd, env, cwd, log
+        self.events, self.hang, self.journal, self.say = events, hang, journal, say
+        self.error_record, self.stop_grace = error_record, stop_grace
+        self.proc: subprocess.Popen | None = None
+        self.phase = Phase.NEW
+        self.t0 = 0.0
+
+    def start(self, from_epoch: int) -> None:
+        self.t0 = time.time()
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, start_new_session=True,
+                                         env=self.env, cwd=self.cwd)
+        proc = self.proc
+        self.phase = Phase.RUNNING
+        self.hang.start(self.n)
+        self.journal.append(Event.ATTEMPT_STARTED, attempt=self.n, pid=proc.pid,
+                            host=os.uname().nodename, from_epoch=from_epoch, log=self.log)
+        threading.Thread(target=lambda: self.events.put(("exit", proc, proc.wait())),
+                         name=f"wait-attempt-{self.n}", daemon=True).start()
+
+    def wait(self, on_checkpoint: Callable[[], None], duties: list[Every]) -> Outcome:
+        """Until the worker exits (or is stopped as hung). Raises ``Stopped`` on a stop."""
+        for d in duties:
+            d.arm()
+        hang_age = None
+        while True:
+            due = min([d.due for d in duties], default=time.monotonic() + 60.0)
+            timeout = min(due - time.monotonic(), self.hang.remaining())
+            try:
+                item = self.events.get(timeout=max(0.0, timeout))
+            except queue.Empty:
+                item = ("tick",)
+            if item[0] == "exit" and item[1] is self.proc:
+                rc = item[2]
+                break
+            if item[0] == "checkpoint":
+                on_checkpoint()
+            elif item[0] == "heartbeat":
+                self.hang.beat()
+            elif item[0] == "stop":
+                raise Stopped()
+            if self.hang.remaining() <= 0:
+                hang_age = self.hang.age()
+                rc = self._stop_hung(hang_age)
+                break
+            now = time.monotonic()
+            for d in duties:
+                d.maybe(now)
+        self.phase = Phase.EXITED
+        error = read_json(self.error_record)
+        if error is not None and error.get("attempt") != self.n:
+            error = None  # an earlier attempt's record
+        return Outcome(self.n, rc, time.time() - self.t0, hang_age, error, self.log)
+
+    def _stop_hung(self, age: float) -> int:
+        """Stack dump of every thread into the attempt log, SIGTERM, grace, SIGKILL the group."""
+        self.phase = Phase.STOPPING
+        proc = self.proc
+        self.journal.append(Event.HANG_DETECTED, attempt=self.n,
+                            last_heartbeat_age_s=round(age, 3), timeout_s=self.hang.timeout,
+                            pid=proc.pid)
+        self.say(f"attempt {self.n}: no heartbeat for {age:.1f} s (limit {self.hang.timeout:g} s):"
+                 f" dumping its stacks into {self.log} and stopping it")
+        dump_stacks(proc.pid, self.log)
+        self.stop()
+        while True:
+            item = self.events.get()
+            if item[0] == "exit" and item[1] is proc:
+                return item[2]
+
+    def stop(self, grace: float | None = None) -> None:
+        """SIGTERM the worker's process group, wait ``grace``, then SIGKILL what is left of it
+        (data-loader processes that ignore SIGTERM too)."""
+        if self.proc is not None:
+            kill_group(self.proc, self.stop_grace if grace is None else grace)
+
+
+def kill_group(proc: subprocess.Popen, grace: float) -> None:
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=grace)
+        except ProcessLookupError:
+            return
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return  # the whole group is gone
+
+
+def kill_orphans(events: list[dict], journal: Journal) -> None:
+    """A worker of a dead supervisor may still run (same host): stop it before we start."""
+    started = {e["attempt"]: e for e in events if e["event"] == Event.ATTEMPT_STARTED}
+    ended = {e["attempt"] for e in events if e["event"] == Event.ATTEMPT_ENDED}
+    for n, e in started.items():
+        pid = e.get("pid")
+        if n not in ended and pid and e.get("host") == os.uname().nodename and pid_alive(pid):
+            try:
+                os.killpg(pid, signal.SIGKILL)
+                journal.append(Event.ORPHAN_WORKER_KILLED, attempt=n, pid=pid)
+            except (ProcessLookupError, PermissionError) as exc:
+                journal.append(Event.ORPHAN_WORKER_NOT_KILLED, attempt=n, pid=pid,
+                               reason=str(exc))
+
+
+def signal_name(n: int) -> str:
+    try:
+        return signal.Signals(n).name
+    except ValueError:
+        return f"signal {n}"

@@ -1,0 +1,103 @@
+"""The end of a run: completed (durable flush, export) or given up (the final report).
+
+A completed run waits (up to ``checkpoint.flush_timeout``) for every checkpoint due to be
+durable, journals ``run_completed`` once, and exports the final model for inference in a
+separate process (it imports TensorFlow), unless the last worker exported these very weights
+already. A run given up journals ``run_failed`` with the kind, the evidence and every action
+tried, and says on the console where to look.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+
+from orchestrator.checkpoint.mirror import DurableMirror
+from orchestrator.core.events import Event
+from orchestrator.core.journal import Journal
+from orchestrator.core.kinds import Action
+from orchestrator.core.osutil import read_json
+from orchestrator.core.rundir import RunDir
+from orchestrator.core.spec import JobSpec
+from orchestrator.recovery.policy import Decision
+from orchestrator.supervise.attempt import Outcome
+
+
+class RunEnd:
+    def __init__(self, spec: JobSpec, rd: RunDir, journal: Journal, mirror: DurableMirror,
+                 console, export_cmd, export_env):
+        self.spec, self.rd, self.journal, self.mirror = spec, rd, journal, mirror
+        self.console, self.export_cmd, self.export_env = console, export_cmd, export_env
+
+    def completed(self, final, counters: dict) -> int:
+        fp = final.manifest.get("weights_sha256") if final else None
+        pending = self._flush_durable()
+        if not any(True for _ in self.journal.iter(Event.RUN_COMPLETED)):
+            self.journal.append(Event.RUN_COMPLETED, epochs=final.epoch, weights_sha256=fp,
+                                state_sha256=final.manifest.get("state_sha256"),
+                                checkpoint=final.path, durable_pending=pending, **counters)
+        self.console.say(f"run '{self.spec.name}' completed: {final.epoch} epochs, "
+                         f"{counters['restarts']} restart(s) this session; weights sha256 {fp}")
+        self._export(final)
+        return 0
+
+    def failed(self, outcome: Outcome, decision: Decision, evidence: str | None, epoch: int,
+               counters: dict) -> int:
+        tried = [e["action"] for e in self.journal.iter(Event.RECOVERY)
+                 if e["action"] != Action.GIVE_UP]
+        self.journal.append(Event.RUN_FAILED, reason=decision.reason,
+                            last_attempt=outcome.attempt,
+                            exit_code=outcome.exit_code if outcome.exit_code != 0 else 1,
+                            error=summary(outcome.error), epoch=epoch, kind=decision.kind,
+                            evidence=evidence, tried=tried, **counters)
+        self.console.fault(f"FAULT {decision.kind}: {outcome.describe()} -> giving up")
+        say = self.console.say
+        say(f"run '{self.spec.name}' FAILED at epoch {epoch}/{self.spec.epochs}: "
+            f"{decision.reason}")
+        say(f"  kind: {decision.kind}; evidence: {evidence or '?'}")
+        say(f"  tried: {', '.join(tried) or 'nothing (not retryable)'}; log: {outcome.log}")
+        return 1
+
+    def _flush_durable(self) -> list[int]:
+        """Wait (up to checkpoint.flush_timeout) until every checkpoint due is durable."""
+        timeout = self.spec.checkpoint.flush_timeout
+        pending = self.mirror.flush(timeout)
+        if pending:
+            local = self.mirror.store.local.root
+            self.journal.append(Event.DURABLE_BACKLOG, steps=pending, at="run_end",
+                                local_dir=local)
+            self.console.say(
+                f"WARNING: {len(pending)} checkpoint(s) are not durable after {timeout:.0f} s "
+                f"(steps {pending}); they are only in {local}. Run the same command again on "
+                f"this machine to flush them.")
+        return pending
+
+    def _export(self, final) -> None:
+        """Export the final model for inference in a separate process (it imports TF), unless
+        the last worker exported these weights already."""
+        if self.export_cmd is None or final is None:
+            return
+        done = read_json(os.path.join(self.rd.export, "export.json")) or {}
+        if done.get("weights_sha256") == final.manifest.get("weights_sha256"):
+            self.console.say(f"the model for inference is in {self.rd.export}")
+            return
+        log = os.path.join(self.rd.attempts, "export.log")
+        t0 = time.time()
+        with open(log, "ab") as f:
+            rc = subprocess.call(self.export_cmd(self.spec), stdout=f, stderr=subprocess.STDOUT,
+                                 stdin=subprocess.DEVNULL, cwd=self.spec.job_dir,
+                                 env=self.export_env())
+        if rc == 0:
+            self.journal.append(Event.EXPORTED, path=self.rd.export, step=final.step,
+                                seconds=round(time.time() - t0, 3))
+            self.console.say(f"exported the model for inference to {self.rd.export}")
+        else:
+            self.journal.append(Event.EXPORT_FAILED, exit_code=rc, log=log)
+            self.console.say(f"export failed (exit code {rc}); see {log}; retry with "
+                             f"`orchestrator export {self.rd.root}`")
+
+
+def summary(error: dict | None) -> dict | None:
+    if not error:
+        return None
+    return {k: error.get(k) for k in ("type", "message", "epoch", "batch") if k in error}
