@@ -38,6 +38,16 @@ class Progress:
         return {"epoch": self.epoch, "batch": self.batch, "step": self.step}
 
 
+def resident_bytes() -> int | None:
+    """This process's resident size: the supervisor compares a SIGKILLed worker's last one
+    with its memory limit (recovery/oom.py)."""
+    try:
+        with open("/proc/self/statm", encoding="ascii") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 class HeartbeatWriter:
     def __init__(self, run_dir: str, attempt: int, interval: float = 1.0):
         self.path = os.path.join(run_dir, FILE)
@@ -52,7 +62,8 @@ class HeartbeatWriter:
         self._last = now
         try:
             write_json_atomic(self.path, {"time": round(now, 3), "pid": os.getpid(),
-                                          "attempt": self.attempt, **where}, durable=False)
+                                          "attempt": self.attempt, "rss": resident_bytes(),
+                                          **where}, durable=False)
         except OSError as exc:  # the run dir on Drive may be gone a while: keep training
             self.failures += 1
             self.last_error = exc

@@ -153,10 +153,13 @@ def _signal_name(n: int) -> str:
 
 
 def classify(exit_code: int | None = None, error: dict | None = None, log: str = "",
-             hang_s: float | None = None) -> Diagnosis:
-    """The kind of one failed attempt, from the most to the least specific evidence."""
+             hang_s: float | None = None, oom: str | None = None) -> Diagnosis:
+    """The kind of one failed attempt, from the most to the least specific evidence.
+    ``oom``: the kernel's evidence that a SIGKILL was its OOM killer's (recovery/oom.py)."""
     if hang_s is not None:
         return Diagnosis(Kind.HANG, None, f"no heartbeat for {hang_s:.1f} s")
+    if oom:
+        return Diagnosis(Kind.OUT_OF_MEMORY, None, f"killed by the kernel's OOM killer ({oom})")
     if error and error.get("fatal"):
         return Diagnosis(Kind.USER_ERROR, None, _error_line(error))
     if exit_code is not None and exit_code < 0 and -exit_code in _KILL_SIGNALS:

@@ -23,9 +23,11 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from orchestrator.core import heartbeat
 from orchestrator.core.events import Event
 from orchestrator.core.journal import Journal
 from orchestrator.core.osutil import pid_alive, read_json
+from orchestrator.recovery import oom
 from orchestrator.supervise.hangs import HangClock, dump_stacks
 
 
@@ -50,6 +52,7 @@ class Outcome:
     hang_age_s: float | None   # heartbeat age when it was stopped as hung, else None
     error: dict | None         # the worker's error record for this attempt, if it wrote one
     log: str
+    oom: str | None = None     # a SIGKILL with the kernel's OOM evidence (recovery/oom.py)
 
     def describe(self) -> str:
         if self.exit_code < 0:
@@ -98,6 +101,8 @@ class Attempt:
                                          env=self.env, cwd=self.cwd)
         proc = self.proc
         self.phase = Phase.RUNNING
+        self._cgroups = oom.memory_cgroups(proc.pid)
+        self._oom_before = oom.snapshot(self._cgroups)
         self.hang.start(self.n)
         self.journal.append(Event.ATTEMPT_STARTED, attempt=self.n, pid=proc.pid,
                             host=os.uname().nodename, from_epoch=from_epoch, log=self.log)
@@ -136,7 +141,15 @@ class Attempt:
         error = read_json(self.error_record)
         if error is not None and error.get("attempt") != self.n:
             error = None  # an earlier attempt's record
-        return Outcome(self.n, rc, time.time() - self.t0, hang_age, error, self.log)
+        return Outcome(self.n, rc, time.time() - self.t0, hang_age, error, self.log,
+                       self._oom_evidence(rc) if hang_age is None else None)
+
+    def _oom_evidence(self, rc: int) -> str | None:
+        if rc != -signal.SIGKILL:
+            return None
+        beat = heartbeat.read(self.hang.run_dir) or {}
+        rss = beat.get("rss") if beat.get("attempt") == self.n else None
+        return oom.evidence(self._oom_before, oom.snapshot(self._cgroups), self.proc.pid, rss)
 
     def _stop_hung(self, age: float) -> int:
         """Stack dump of every thread into the attempt log, SIGTERM, grace, SIGKILL the group."""

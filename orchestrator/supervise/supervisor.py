@@ -197,7 +197,8 @@ class Supervisor:
         if outcome.exit_code == 0:
             error = error or {"type": "IncompleteRun",
                               "message": "the worker exited 0 before the last epoch"}
-        d = classify(outcome.exit_code, error, read_tail(outcome.log), outcome.hang_age_s)
+        d = classify(outcome.exit_code, error, read_tail(outcome.log), outcome.hang_age_s,
+                     outcome.oom)
         self._journal_ended(outcome, error, d.kind, d.signature)
         return Failure(outcome.attempt, d.kind, d.signature, self._position(outcome, error),
                        time.time(), d.evidence, d.escalate)

@@ -13,7 +13,8 @@ plan in $FAKE_PLAN (JSON) says, per attempt number:
    "mid_epoch": true,           also commit a checkpoint in the middle of each epoch
    "stop_early": {"1": 2},      attempt 1 ends training after epoch 2, as EarlyStopping does
    "child": ["1"],              attempt 1 starts a child in its process group (a data loader)
-   "ignore_sigterm": ["1"]}     attempt 1 ignores SIGTERM (only SIGKILL stops it)
+   "ignore_sigterm": ["1"],     attempt 1 ignores SIGTERM (only SIGKILL stops it)
+   "allocate_mb": {"1": 300}}   attempt 1 allocates 300 MiB (an OOM kill under a cgroup limit)
 Like the real worker it journals ``worker_ready`` (with steps_per_epoch) and ``first_step``,
 beats ``heartbeat.json`` with epoch/batch, and prints TensorFlow-like log noise to its output.
 Each attempt writes fake-N.pid and fake-N.env.json (the recovery overrides it was given).
@@ -55,6 +56,8 @@ def main():
                       {k: v for k, v in os.environ.items() if k.startswith("ORCHESTRATOR_")})
     print("2026-01-01 00:00:00.000000: I tensorflow/core/util/port.cc:153] oneDNN custom "
           "operations are on.", file=sys.stderr, flush=True)
+    if n in plan.get("allocate_mb", {}):  # grow until the memory cgroup's OOM killer strikes
+        held = [b"x" * (1 << 20) for _ in range(int(plan["allocate_mb"][n]))]  # noqa: F841
     if n in plan.get("ignore_sigterm", []):
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if n in plan.get("child", []):
