@@ -6,6 +6,7 @@ import sys
 import time
 
 from conftest import ROOT, supervise, supervisor_process
+from orchestrator.core import heartbeat
 from orchestrator.core.journal import Journal
 from orchestrator.core.osutil import pid_alive
 
@@ -175,3 +176,28 @@ def test_a_new_run_where_a_deleted_one_was_does_not_resume_its_local_checkpoints
     started = [e for e in events if e["event"] == "attempt_started"]
     assert [e["from_epoch"] for e in started] == [0]  # trained from scratch
     assert _epochs(events) == [1, 2] and "starts from scratch" in out
+
+
+def test_sigterm_to_the_supervisor_is_a_preemption_notice_the_worker_saves_its_step(fake_job,
+                                                                                    tmp_path):
+    job = fake_job(epochs=3, extra="preempt_grace: 10")
+    run = tmp_path / "run"
+    p = supervisor_process(job, {"epoch_s": 4, "batches": 10})
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        hb = heartbeat.read(str(run))
+        if hb and hb.get("phase") == "training" and hb.get("epoch") == 0 and hb.get("batch", 0) >= 3:
+            break
+        time.sleep(0.02)
+    p.send_signal(signal.SIGTERM)
+    out, _ = p.communicate(timeout=30)
+    assert p.returncode == 130, out
+    events = Journal(str(run / "events.jsonl")).events()
+    names = [e["event"] for e in events]
+    preempted = next(e for e in events if e["event"] == "preempted")
+    assert 3 <= preempted["step"] < 10  # in the middle of epoch 1
+    committed = [e for e in events if e["event"] == "checkpoint_committed"]
+    assert [c["step"] for c in committed] == [preempted["step"]]
+    assert names.index("checkpoint_committed") < names.index("supervisor_stopped")
+    ended = [e for e in events if e["event"] == "attempt_ended"]
+    assert ended == []  # a stop, not a failure: the next session resumes

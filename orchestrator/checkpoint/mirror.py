@@ -76,6 +76,10 @@ class DurableMirror:
             self._wanted += 1
             self._cond.notify_all()
 
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
     def flush(self, timeout: float) -> list[int]:
         """Wait until everything due is durable; return the steps still pending."""
         with self._cond:

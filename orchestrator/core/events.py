@@ -37,6 +37,8 @@ class Event:
     WORKER_READY = "worker_ready"
     #: the attempt's first training step is done
     FIRST_STEP = "first_step"
+    #: the worker got SIGTERM (a preemption notice), saved its state (``step``) and exited
+    PREEMPTED = "preempted"
     #: the worker process exited (kind when it failed)
     ATTEMPT_ENDED = "attempt_ended"
     #: no heartbeat for hang_timeout

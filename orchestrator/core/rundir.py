@@ -9,6 +9,8 @@ from dataclasses import dataclass
 EXIT_CONFIG = 78
 # `orchestrator run` stopped by a signal; the run is resumable (128 + SIGINT, as shells do).
 EXIT_STOPPED = 130
+# The worker saved its state on SIGTERM (a preemption notice) and exited (128 + SIGTERM).
+EXIT_PREEMPTED = 143
 
 # Split the host CPU into this many logical devices before TensorFlow starts (a worker then
 # trains under a multi-replica MirroredStrategy on a CPU, as it would on 8 TPU cores): for tests.

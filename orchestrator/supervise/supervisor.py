@@ -137,7 +137,7 @@ class Supervisor:
         except (Stopped, KeyboardInterrupt) as exc:
             if isinstance(exc, KeyboardInterrupt):
                 self.stop_signal = signal.SIGINT
-            self._stop_worker()
+            self._stop_for_preemption()
             self.journal.append(Event.SUPERVISOR_STOPPED, reason="signal")
             self.say("stopped; the run resumes when `orchestrator run` is started again")
             return EXIT_STOPPED
@@ -309,6 +309,22 @@ class Supervisor:
     def _worker_pgid(self) -> int | None:
         a = self.attempt
         return a.proc.pid if a is not None and a.proc is not None else None
+
+    def _stop_for_preemption(self) -> None:
+        """Our own SIGTERM/SIGINT is a preemption notice too: the worker gets SIGTERM and
+        ``preempt_grace`` to commit its state; what it saved is journaled and, in what is left
+        of the grace, copied to the durable tier (a preempted VM's local disk goes with it)."""
+        deadline = time.monotonic() + self.spec.preempt_grace
+        if self.attempt is not None:
+            self.attempt.stop(grace=self.spec.preempt_grace)
+            self.attempt = None
+        self.ledger.scan()
+        if not self.mirror.running:
+            return
+        pending = self.mirror.flush(max(0.0, deadline - time.monotonic()))
+        if pending:
+            self.say(f"{len(pending)} checkpoint(s) not durable yet (steps {pending}); they "
+                     f"are in {self.store.local.root}")
 
     def _stop_worker(self) -> None:
         if self.attempt is not None:

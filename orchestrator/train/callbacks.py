@@ -250,13 +250,15 @@ class CheckpointCallback(keras.callbacks.Callback):
 
     def __init__(self, store: CheckpointStore, ckpt: CheckpointSpec, progress: Progress,
                  steps_per_epoch: int, last_epoch: int, history: list, base_manifest: dict,
-                 states: CallbackStates):
+                 states: CallbackStates, notice=None):
         super().__init__()
         self.store, self.ckpt, self.progress = store, ckpt, progress
         self.spe, self.last_epoch = steps_per_epoch, last_epoch
         self.history = list(history)
         self.base_manifest, self.states = base_manifest, states
+        self.notice = notice  # preemption.PreemptionNotice: SIGTERM -> commit now, then stop
         self._last_commit = time.monotonic()
+        self._committed_step: int | None = None
         self._metrics: dict = {}
 
     def _due(self) -> bool:
@@ -267,9 +269,16 @@ class CheckpointCallback(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch, logs=None):
         self._lr = get_learning_rate(self.model.optimizer)
 
+    def _preempted(self) -> bool:
+        return self.notice is not None and self.notice.requested
+
     def on_train_batch_end(self, batch, logs=None):
-        if self.progress.batch < self.spe and self._due():
+        if self.progress.batch >= self.spe:
+            return  # the epoch's last batch: its end commits (after validation and callbacks)
+        if self._due() or (self._preempted() and self._committed_step != self.progress.step):
             self._commit({k: float(v) for k, v in (logs or {}).items()}, mid_epoch=True)
+        if self._preempted():
+            self.notice.stop(self._committed_step)
 
     def on_epoch_end(self, epoch, logs=None):
         done = epoch + 1
@@ -277,8 +286,10 @@ class CheckpointCallback(keras.callbacks.Callback):
         self.history.append({"epoch": done, "learning_rate": self._lr, **self._metrics})
         if self.model.stop_training or done >= self.last_epoch:
             return  # committed by on_train_end, after the job's callbacks had their say
-        if done % self.ckpt.every_epochs == 0 or self._due():
+        if done % self.ckpt.every_epochs == 0 or self._due() or self._preempted():
             self._commit(self._metrics)
+        if self._preempted():
+            self.notice.stop(self._committed_step)
 
     def on_train_end(self, logs=None):
         self._commit(self._metrics, stopped_early=bool(
@@ -298,6 +309,7 @@ class CheckpointCallback(keras.callbacks.Callback):
         self.store.commit(p.step, lambda d: state.save(self.model, d, extra), manifest,
                           keep=self.ckpt.keep)
         self._last_commit = time.monotonic()
+        self._committed_step = p.step
 
 
 class FaultCallback(keras.callbacks.Callback):

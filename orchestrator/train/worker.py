@@ -23,10 +23,11 @@ from orchestrator.recovery.faults import Injector
 from orchestrator.core.heartbeat import HeartbeatWriter, Progress, register_stack_dump
 from orchestrator.core.journal import Journal
 from orchestrator.core.osutil import write_json_atomic
-from orchestrator.core.rundir import (CPU_DEVICES_ENV, ENV_BATCH_SIZE, ENV_REINIT, ENV_STRATEGY, EXIT_CONFIG,
+from orchestrator.core.rundir import (CPU_DEVICES_ENV, ENV_BATCH_SIZE, ENV_REINIT, ENV_STRATEGY, EXIT_CONFIG, EXIT_PREEMPTED,
                      RunDir)
 from orchestrator.core.spec import JobSpec, SpecError, load
 from orchestrator.core.events import Event
+from orchestrator.train.preemption import Preempted, PreemptionNotice
 
 
 class JobError(Exception):
@@ -168,7 +169,7 @@ def _build_model(spec: JobSpec, strategy, data):
 
 
 def train(spec: JobSpec, rd: RunDir, attempt: int, progress, t_start: float,
-          marks: dict | None = None) -> dict:
+          marks: dict | None = None, notice: PreemptionNotice | None = None) -> dict:
     """The attempt itself; returns a summary. Raises on any failure.
 
     ``marks`` collects seconds since ``t_start`` at each start-up phase (``tf_imported``,
@@ -191,6 +192,7 @@ def train(spec: JobSpec, rd: RunDir, attempt: int, progress, t_start: float,
                             LearningRateCallback, OneTraining, ProgressCallback, ResumeState)
 
     journal = Journal(rd.journal)
+    notice = notice or PreemptionNotice()
     heart = HeartbeatWriter(rd.root, attempt, spec.heartbeat_interval)
     heart.beat(force=True, phase="starting")
     keras.utils.set_random_seed(spec.seed)
@@ -289,20 +291,22 @@ def train(spec: JobSpec, rd: RunDir, attempt: int, progress, t_start: float,
                         f"reported metrics cover batches {at.batch + 1}.. only"])),
         HeartbeatCallback(heart, progress),
         CheckpointCallback(store, spec.checkpoint, progress, spe, spec.epochs, at.history,
-                           base_manifest, states),
+                           base_manifest, states, notice),
     ]
     if injector:
         inner.append(FaultCallback(injector, progress))
     training = OneTraining(inner)
-    for begin, end, skip in at.segments(spec.epochs):
-        prog_cb.batch_offset = skip
-        train_ds = datasets.train_dataset(data, spec.seed, begin, end, global_batch,
-                                          drop_remainder=is_tpu, skip_batches=skip)
-        model.fit(train_ds, validation_data=val_ds, epochs=end, initial_epoch=begin,
-                  steps_per_epoch=spe - skip if skip else spe, callbacks=[training], verbose=2)
-        if model.stop_training:
-            break
-    training.finish()
+    with notice.training():
+        for begin, end, skip in at.segments(spec.epochs):
+            prog_cb.batch_offset = skip
+            train_ds = datasets.train_dataset(data, spec.seed, begin, end, global_batch,
+                                              drop_remainder=is_tpu, skip_batches=skip)
+            model.fit(train_ds, validation_data=val_ds, epochs=end, initial_epoch=begin,
+                      steps_per_epoch=spe - skip if skip else spe, callbacks=[training],
+                      verbose=2)
+            if model.stop_training:
+                break
+        training.finish()
     if strategy is tf.distribute.get_strategy():  # the default strategy: the plain CPU model
         _export_at_end(spec, rd, store, model, journal, heart, attempt, injector)
     return {"epochs": progress.epoch, "fingerprint": state.fingerprint(model)}
@@ -334,6 +338,16 @@ def _export_at_end(spec: JobSpec, rd: RunDir, store, model, journal, heart, atte
                    step=final.step, seconds=round(time.time() - t0, 3))
 
 
+def _journal_preempted(rd: RunDir, attempt: int, exc: Preempted, progress) -> None:
+    try:
+        Journal(rd.journal).append(Event.PREEMPTED, source="worker", attempt=attempt,
+                                   step=exc.step, epoch=progress.epoch, batch=progress.batch,
+                                   seconds=round(time.time() - exc.received_at, 3))
+    except OSError as write_exc:  # the run dir may be what is going away
+        print(f"[worker] could not journal the preemption: {write_exc}", file=sys.stderr)
+    print(f"[worker] {exc}", file=sys.stderr, flush=True)
+
+
 def write_error_record(rd: RunDir, attempt: int, exc: BaseException, progress,
                        fatal: bool) -> None:
     record = {
@@ -360,6 +374,7 @@ def main(argv=None) -> int:
     p.add_argument("--attempt", type=int, required=True)
     args = p.parse_args(argv)
     t_start = time.time()
+    notice = PreemptionNotice().install()
     register_stack_dump()
     _watch_parent()
     try:
@@ -367,6 +382,8 @@ def main(argv=None) -> int:
     except SpecError as exc:
         print(f"[worker] {exc}", file=sys.stderr)
         return EXIT_CONFIG
+    except Preempted:
+        return EXIT_PREEMPTED
     rd = RunDir(spec.run_dir).make()
 
     progress = Progress()
@@ -377,9 +394,12 @@ def main(argv=None) -> int:
         from orchestrator.train import state
 
         try:
-            summary = train(spec, rd, args.attempt, progress, t_start, marks)
+            summary = train(spec, rd, args.attempt, progress, t_start, marks, notice)
         except (datasets.DataError, state.StateMismatch) as exc:
             raise JobError(str(exc)) from exc
+    except Preempted as exc:
+        _journal_preempted(rd, args.attempt, exc, progress)
+        return EXIT_PREEMPTED
     except JobError as exc:
         write_error_record(rd, args.attempt, exc, progress, fatal=True)
         print(f"[worker] error: {exc}", file=sys.stderr, flush=True)

@@ -38,6 +38,14 @@ from orchestrator.core.spec import load
 from orchestrator.train.worker import write_error_record
 
 STEPS = 10
+EXIT_PREEMPTED = 143
+TERM = {"at": None, "training": False}  # SIGTERM: save at the next step, as the real worker
+
+
+def _on_sigterm(signum, frame):
+    TERM["at"] = TERM["at"] or time.time()
+    if not TERM["training"]:
+        sys.exit(EXIT_PREEMPTED)
 
 
 def main():
@@ -60,6 +68,8 @@ def main():
         held = [b"x" * (1 << 20) for _ in range(int(plan["allocate_mb"][n]))]  # noqa: F841
     if n in plan.get("ignore_sigterm", []):
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    else:
+        signal.signal(signal.SIGTERM, _on_sigterm)
     if n in plan.get("child", []):
         child = subprocess.Popen([sys.executable, "-c", "import signal, time\n"
                                   "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
@@ -106,6 +116,7 @@ def train(spec, rd, attempt, plan, progress):
     batches = int(plan.get("batches", 1))
     journal.append("worker_ready", source="worker", attempt=attempt, strategy="fake",
                    steps_per_epoch=batches, resumed_from_epoch=start)
+    TERM["training"] = True
     for epoch in range(start + 1, spec.epochs + 1):
         progress.epoch = epoch - 1
         if stop and epoch == stop[0]:
@@ -126,6 +137,13 @@ def train(spec, rd, attempt, plan, progress):
             if batch > (step - 1) * batches // STEPS:
                 heart.beat(phase="training", epoch=epoch - 1, batch=batch)
             injector.at_step(progress.step)
+            if TERM["at"] and step < STEPS:  # a preemption notice: save here, exit
+                store.commit(progress.step, payload, {"attempt": attempt, "epoch": epoch - 1,
+                                                      "batch": step, "history": list(history)},
+                             keep=spec.checkpoint.keep)
+                journal.append("preempted", source="worker", attempt=attempt,
+                               step=progress.step, epoch=epoch - 1, batch=step)
+                sys.exit(EXIT_PREEMPTED)
             if plan.get("mid_epoch") and step == STEPS // 2:
                 store.commit(epoch * STEPS - 5, payload, {"attempt": attempt, "epoch": epoch - 1,
                                                           "batch": 5, "history": list(history)},

@@ -1,0 +1,67 @@
+"""SIGTERM is a preemption notice: finish the step, commit, exit ``EXIT_PREEMPTED``.
+
+GCE spot VMs and TPU maintenance give about 30 s between SIGTERM and the kill, ``docker stop``
+10 s, a Colab runtime restart sends one too; the supervisor forwards its own SIGTERM/SIGINT and
+waits ``preempt_grace`` (20 s by default). Without a handler Python dies at once and everything
+since the last checkpoint is lost (an epoch, in a job that checkpoints at epoch ends).
+
+While training, the handler only takes note: the checkpoint callback sees it at the next step
+boundary (or at the epoch's end, after the job's callbacks had their say), commits the state in
+the middle of the epoch and raises ``Preempted``; a commit under way finishes first, so the
+previous checkpoint is never touched. Outside training (imports, model build, restore, export)
+there is nothing new to save, so the handler raises ``Preempted`` at once. TensorFlow's own
+PreemptionCheckpointHandler does the same for its strategies; this one works with the worker's
+checkpoint store and its exact mid-epoch resume.
+"""
+from __future__ import annotations
+
+import contextlib
+import signal
+import time
+
+
+class Preempted(BaseException):
+    """SIGTERM arrived; ``step`` is the checkpoint saved for it (None: nothing new to save).
+
+    A BaseException, as KeyboardInterrupt: the job's and Keras's ``except Exception`` must not
+    swallow it."""
+
+    def __init__(self, step: int | None, received_at: float):
+        super().__init__(f"preempted (SIGTERM); saved step {step}" if step is not None
+                         else "preempted (SIGTERM) outside training; nothing new to save")
+        self.step, self.received_at = step, received_at
+
+
+class PreemptionNotice:
+    def __init__(self):
+        self.received_at: float | None = None
+        self._in_training = False
+
+    def install(self) -> "PreemptionNotice":
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+        return self
+
+    @property
+    def requested(self) -> bool:
+        return self.received_at is not None
+
+    def _on_sigterm(self, signum, frame) -> None:
+        if self.received_at is None:
+            self.received_at = time.time()
+        if not self._in_training:
+            raise Preempted(None, self.received_at)
+
+    @contextlib.contextmanager
+    def training(self):
+        """While this holds, a SIGTERM waits for the next step boundary."""
+        if self.requested:
+            raise Preempted(None, self.received_at)
+        self._in_training = True
+        try:
+            yield
+        finally:
+            self._in_training = False
+
+    def stop(self, step: int | None) -> None:
+        """Called at a step boundary once the state is saved."""
+        raise Preempted(step, self.received_at)

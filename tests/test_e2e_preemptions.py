@@ -1,0 +1,155 @@
+"""Real TensorFlow: outside kills are preemptions, SIGTERM saves the step, a real bug still stops.
+
+Each of these failed before kills were set apart from the job's own failures and before the
+worker handled SIGTERM: the kills during start-up were taken for a crash loop after three, and a
+SIGTERM lost everything since the last epoch end.
+"""
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import ROOT
+from orchestrator.core import heartbeat
+from orchestrator.core.journal import Journal
+
+pytestmark = pytest.mark.e2e
+
+# Checkpoints at epoch ends only, and the default restart budget (restarts.max: 3).
+JOB = """
+name: digits-preempt
+model: digits_job:build_model
+data: digits_job:load_data
+compile: {optimizer: adam, loss: sparse_categorical_crossentropy, metrics: [accuracy]}
+epochs: EPOCHS
+batch_size: 32
+strategy: cpu
+seed: 5
+deterministic: true
+checkpoint: {every_epochs: 1}
+heartbeat_interval: 0.05
+"""
+
+BUGGY_CALLBACK = '''
+import keras
+
+
+class Bug(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == 4:
+            raise ValueError("index 4 is out of bounds for axis 0 with size 4")
+
+
+def bug():
+    return Bug()
+'''
+
+
+def _job(tmp_path, epochs=2, extra=""):
+    shutil.copy(os.path.join(ROOT, "jobs", "digits", "digits_job.py"), tmp_path)
+    p = tmp_path / "job.yaml"
+    p.write_text(JOB.replace("EPOCHS", str(epochs)) + extra)
+    return str(p)
+
+
+def _start(job, run_dir):
+    return subprocess.Popen([sys.executable, "-m", "orchestrator", "run", job, "--run-dir",
+                             str(run_dir)], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def _wait(cond, timeout=120, what="condition"):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        got = cond()
+        if got:
+            return got
+        time.sleep(0.01)
+    raise AssertionError(f"{what} not met within {timeout} s")
+
+
+def _ev(events, name):
+    return [e for e in events if e["event"] == name]
+
+
+def _started(journal, n):
+    return next((e for e in journal.iter("attempt_started") if e["attempt"] == n), None)
+
+
+def test_kills_during_start_up_and_training_complete_on_the_default_budget(tmp_path):
+    job = _job(tmp_path, epochs=2)
+    run = tmp_path / "run"
+    journal = Journal(str(run / "events.jsonl"))
+    sup = _start(job, run)
+    # four kills during start-up (before the first step; the first a SIGTERM), two in training
+    for n in range(1, 5):
+        pid = _wait(lambda: _started(journal, n), what=f"attempt {n}")["pid"]
+        time.sleep(0.5 + 0.3 * n)
+        assert not any(e["attempt"] == n for e in journal.iter("first_step"))
+        os.kill(pid, signal.SIGTERM if n == 1 else signal.SIGKILL)
+    for n in (5, 6):
+        pid = _wait(lambda: _started(journal, n), what=f"attempt {n}")["pid"]
+        _wait(lambda: (heartbeat.read(str(run)) or {}).get("attempt") == n
+              and heartbeat.read(str(run)).get("phase") == "training", what="training")
+        os.kill(pid, signal.SIGKILL)
+    out, _ = sup.communicate(timeout=300)
+    assert sup.returncode == 0, out
+    events = journal.events()
+    ended = _ev(events, "attempt_ended")
+    assert [e["kind"] for e in ended][:6] == ["killed"] * 6
+    assert ended[0]["exit_code"] == 143  # SIGTERM during start-up: a clean, prompt exit
+    assert _ev(events, "preempted")[0]["step"] is None  # nothing new to save yet
+    done = _ev(events, "run_completed")[0]
+    assert done["preemptions"] == 6 and done["errors"] == 0
+    assert "crash loop" not in out
+
+
+def test_a_deterministic_bug_is_stopped_within_four_attempts(tmp_path):
+    (tmp_path / "bug_cb.py").write_text(BUGGY_CALLBACK)
+    job = _job(tmp_path, extra="callbacks: [{factory: bug_cb:bug}]\n"
+                               "restarts: {max: 10, backoff: {initial: 0.1}}\n")
+    p = subprocess.run([sys.executable, "-m", "orchestrator", "run", job, "--run-dir",
+                        str(tmp_path / "run")], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 1, p.stdout + p.stderr
+    events = Journal(str(tmp_path / "run" / "events.jsonl")).events()
+    assert 1 <= len(_ev(events, "attempt_started")) <= 4
+    failed = _ev(events, "run_failed")[0]
+    assert "ValueError" in failed["error"]["type"]
+
+
+def test_sigterm_mid_epoch_saves_that_step_and_the_run_resumes_there_bit_identical(tmp_path):
+    job = _job(tmp_path, epochs=3)
+    ref = subprocess.run([sys.executable, "-m", "orchestrator", "run", job, "--run-dir",
+                          str(tmp_path / "ref")], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
+    assert ref.returncode == 0, ref.stdout
+    ref_done = _ev(Journal(str(tmp_path / "ref" / "events.jsonl")).events(), "run_completed")[0]
+
+    run = tmp_path / "run"
+    journal = Journal(str(run / "events.jsonl"))
+    sup = _start(job, run)
+    spe = _wait(lambda: next(journal.iter("worker_ready"), None))["steps_per_epoch"]
+    target = spe + spe // 2  # the middle of epoch 2: epoch 1's checkpoint is behind
+    _wait(lambda: (heartbeat.read(str(run)) or {}).get("step", 0) >= target, what="step")
+    sup.send_signal(signal.SIGTERM)
+    out, _ = sup.communicate(timeout=60)
+    assert sup.returncode == 130, out
+    events = journal.events()
+    preempted = _ev(events, "preempted")[0]
+    saved = preempted["step"]
+    assert saved % spe and saved >= target  # mid-epoch, not the epoch-end checkpoint
+    assert preempted["seconds"] < 20  # within preempt_grace
+    assert saved in [e["step"] for e in _ev(events, "checkpoint_committed")]
+
+    again = subprocess.run([sys.executable, "-m", "orchestrator", "run", job, "--run-dir",
+                            str(run)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stdout
+    events = journal.events()
+    assert _ev(events, "worker_ready")[-1]["resumed_from_step"] == saved
+    done = _ev(events, "run_completed")[-1]
+    assert done["weights_sha256"] == ref_done["weights_sha256"]
