@@ -226,7 +226,7 @@ def check_pip(python: str = sys.executable) -> Check:
     return Check("pip", OK, p.stdout.strip().split(" from ")[0])
 
 
-def diagnose(run_dir: str, strategy: str = "auto", env=None, run_probe: bool = True,
+def check_runtime(run_dir: str, strategy: str = "auto", env=None, run_probe: bool = True,
              python: str = sys.executable, drive_root: str = DRIVE_ROOT,
              ismount=os.path.ismount) -> list[Check]:
     """All checks, in the order a person reads them."""
@@ -260,7 +260,7 @@ def run(job: str | None = None, run_dir: str | None = None, **kw) -> list[Check]
             strategy, run_dir = spec.strategy, spec.run_dir
             first.append(Check("job", OK, f"{spec.job_path}: strategy {strategy}, "
                                f"{spec.epochs} epochs"))
-    return first + diagnose(run_dir or os.getcwd(), strategy, **kw)
+    return first + check_runtime(run_dir or os.getcwd(), strategy, **kw)
 
 
 def would_fail(checks: list[Check]) -> bool:

@@ -20,7 +20,7 @@ import traceback
 
 from orchestrator.checkpoint import tiers
 from orchestrator.recovery.faults import Injector
-from orchestrator.core.heartbeat import HeartbeatWriter, Progress, register_stack_dump
+from orchestrator.core.heartbeat import HeartbeatWriter, Position, register_stack_dump
 from orchestrator.core.journal import Journal
 from orchestrator.core.osutil import write_json_atomic
 from orchestrator.core.rundir import (CPU_DEVICES_ENV, ENV_BATCH_SIZE, ENV_REINIT, ENV_STRATEGY, EXIT_CONFIG,
@@ -369,7 +369,7 @@ def main(argv=None) -> int:
         return EXIT_CONFIG
     rd = RunDir(spec.run_dir).make()
 
-    progress = Progress()
+    progress = Position()
     try:
         _import_tensorflow()
         marks = {"tf_imported": round(time.time() - t_start, 3)}
