@@ -26,6 +26,7 @@ _COMPILE_ALIASES = {"loss": ("crossentropy", "ce"), "metrics": ("accuracy", "acc
 # What a shape mismatch between the model and the data says (Keras layer input checks, loss
 # rank checks, TensorFlow's shape-incompatible kernels, a sparse label out of range).
 _MISMATCH = re.compile(r"shape|rank|ndim|incompatible|dimension|label value", re.I)
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")  # Keras puts the layer's message in bold
 
 
 class JobError(Exception):
@@ -224,8 +225,12 @@ def first_step(spec: JobSpec, model, x, y):
         else:  # a model of the job's that overrides compute_loss the Keras 3.0 way
             model.compute_loss(x, y, y_pred)
     except (ValueError, tf.errors.InvalidArgumentError) as exc:
-        text = str(exc).strip().splitlines()
-        if not _MISMATCH.search(str(exc)):
+        # Keras wraps a layer's error in "Exception encountered when calling ..." and appends
+        # "Arguments received by ...", whose tensor reprs say "shape": read the error itself.
+        core = _ANSI.sub("", str(exc)).split("Arguments received by")[0]
+        text = [ln.strip() for ln in core.splitlines()
+                if ln.strip() and not ln.startswith("Exception encountered when calling")]
+        if not _MISMATCH.search("\n".join(text)):
             raise
         inputs = ", ".join(str(tuple(i.shape)) for i in getattr(model, "inputs", None) or [])
         raise JobError(
