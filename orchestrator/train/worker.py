@@ -17,6 +17,8 @@ import time
 import traceback
 
 from orchestrator.checkpoint import tiers
+from orchestrator.train import jobcode
+from orchestrator.train.jobcode import JobError
 from orchestrator.recovery.faults import Injector
 from orchestrator.core.heartbeat import HeartbeatWriter, Position, register_stack_dump
 from orchestrator.core.journal import Journal
@@ -25,8 +27,6 @@ from orchestrator.core.rundir import (CPU_DEVICES_ENV, ENV_BATCH_SIZE, ENV_REINI
                      RunDir)
 from orchestrator.core.spec import JobSpec, SpecError, load
 from orchestrator.core.events import Event
-from orchestrator.train import jobcode
-from orchestrator.train.jobcode import JobError
 
 
 def _watch_parent(poll: float = 0.5) -> None:
