@@ -129,10 +129,11 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("-o", "--out", help="output folder (default RUN_DIR/report)")
     rp.set_defaults(func=_cmd_report)
     d = sub.add_parser("doctor", help="check this runtime; exit 1 when a run would fail")
-    d.add_argument("job", nargs="?", help="the job's YAML file (its run_dir and strategy)")
+    d.add_argument("job", nargs="?", help="the job's YAML file (its run_dir, strategy and code)")
     d.add_argument("--run-dir", help="the run directory to check (default: the job's, or .)")
     d.add_argument("--no-probe", action="store_true",
-                   help="do not import TensorFlow in a probe process (faster, less certain)")
+                   help="do not import TensorFlow in a probe process nor build the job's "
+                        "model (faster, less certain)")
     d.add_argument("--json", action="store_true", help="machine-readable output")
     d.set_defaults(func=_cmd_doctor)
     return p

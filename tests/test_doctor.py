@@ -150,3 +150,68 @@ def test_tensorflow_probe_in_a_fresh_process():
     assert probe.get("error") is None, probe
     assert probe["version"] == importlib.metadata.version("tensorflow-cpu")
     assert probe["tpu_kernels"] is False and probe["gpus"] == 0
+
+
+def _digits_job(tmp_path, optimizer="adam"):
+    import shutil
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    shutil.copy(os.path.join(root, "jobs", "digits", "digits_job.py"), tmp_path)
+    text = open(os.path.join(root, "jobs", "digits", "job.yaml")).read()
+    for was, now in (("optimizer: adam\n", f"optimizer: {optimizer}\n"),
+                     ("run_dir: runs/digits", f"run_dir: {tmp_path / 'run'}")):
+        assert was in text
+        text = text.replace(was, now)
+    job = tmp_path / f"job-{optimizer}.yaml"
+    job.write_text(text)
+    return str(job)
+
+
+def test_a_job_code_probe_that_leaves_no_verdict_fails_the_check_with_its_last_line(tmp_path):
+    broken = tmp_path / "python-that-dies"
+    broken.write_text("#!/bin/sh\necho 'Fatal Python error: boom' >&2\nexit 3\n")
+    broken.chmod(0o755)
+    c = doctor.check_job_code(_digits_job(tmp_path), python=str(broken))
+    assert (c.name, c.level) == ("job code", FAIL)
+    assert "exited 3 with no verdict: Fatal Python error: boom" in c.detail
+
+
+def test_the_job_code_is_not_checked_when_tensorflow_does_not_import(tmp_path):
+    no_tf = tmp_path / "python-without-tensorflow"
+    no_tf.write_text("#!/bin/sh\necho \"ModuleNotFoundError: No module named 'tensorflow'\" >&2"
+                     "\nexit 1\n")
+    no_tf.chmod(0o755)
+    checks = doctor.run(_digits_job(tmp_path), python=str(no_tf))
+    assert _levels(checks)["tensorflow import"] == FAIL
+    assert checks[-1].name == "job code" and checks[-1].level == WARN
+    assert "not checked" in checks[-1].detail
+
+
+def test_no_probe_skips_the_job_code_check(tmp_path):
+    checks = doctor.run(_digits_job(tmp_path, "adamm"), run_probe=False)
+    assert "job code" not in _levels(checks)
+
+
+@pytest.mark.e2e
+def test_job_code_check_names_the_key_before_any_training(tmp_path, capsys):
+    bad = _digits_job(tmp_path, "adamm")
+    c = doctor.check_job_code(bad)
+    assert c.level == FAIL and "key 'compile.optimizer': Keras does not accept 'adamm'" in c.detail
+    assert "did you mean 'adam'" in c.detail
+    assert cli.main(["doctor", bad]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL  job code" in out and "a run would FAIL: fix job code" in out
+    assert not (tmp_path / "run").exists()  # nothing written, nothing trained
+
+
+@pytest.mark.e2e
+def test_job_code_check_builds_a_good_job_without_tensorflow_in_the_doctor(tmp_path):
+    code = ("import sys; from orchestrator.ops import doctor\n"
+            f"c = doctor.run({_digits_job(tmp_path)!r})[-1]\n"
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('tensorflow', 'keras')]\n"
+            "print(c.name, c.level, c.detail); print(bad); sys.exit(1 if bad else 0)")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert p.stdout.startswith("job code ok imported digits_job:build_model"), p.stdout
+    assert "digits_cnn" in p.stdout and "first step's loss" in p.stdout

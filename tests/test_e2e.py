@@ -274,6 +274,24 @@ def test_missing_tensorflow_fails_once_with_one_clear_line(digits_job, tmp_path)
     assert "Traceback" not in log
 
 
+def test_an_unknown_optimizer_stops_the_run_after_one_attempt_naming_its_key(digits_job,
+                                                                            tmp_path):
+    text = open(digits_job).read().replace("optimizer: adam,", "optimizer: adamm,")
+    open(digits_job, "w").write(text)
+    p = _start(digits_job, tmp_path / "run")
+    out, _ = p.communicate(timeout=120)
+    assert p.returncode == 1, out
+    assert "key 'compile.optimizer': Keras does not accept 'adamm'" in out
+    assert "did you mean 'adam'" in out
+    events = Journal(str(tmp_path / "run" / "events.jsonl")).events()
+    assert sum(e["event"] == "attempt_started" for e in events) == 1
+    failed = events[-1]
+    assert failed["event"] == "run_failed" and failed["kind"] == "user_error", failed
+    assert "Keras accepts adadelta" in failed["error"]["message"]
+    log = (tmp_path / "run" / "attempts" / "1.log").read_text()
+    assert "Traceback" not in log
+
+
 def test_cifar10_resnet_synthetic_smoke(tmp_path):
     shutil.copy(os.path.join(ROOT, "jobs", "cifar10_resnet", "cifar10_resnet_job.py"), tmp_path)
     text = open(os.path.join(ROOT, "jobs", "cifar10_resnet", "job.yaml")).read()

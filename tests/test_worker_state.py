@@ -129,7 +129,7 @@ class _Clock:
 def test_checkpoints_every_n_seconds_within_epochs_and_once_at_the_end(tmp_path, monkeypatch):
     from orchestrator.train import callbacks as cbm
     from orchestrator.checkpoint.store import CheckpointStore
-    from orchestrator.core.heartbeat import Progress
+    from orchestrator.core.heartbeat import Position
     from orchestrator.core.spec import CheckpointSpec
 
     clock = _Clock()
@@ -139,7 +139,7 @@ def test_checkpoints_every_n_seconds_within_epochs_and_once_at_the_end(tmp_path,
         def on_train_batch_end(self, batch, logs=None):
             clock.now += 0.1
 
-    m, progress, store = _model(), Progress(), CheckpointStore(str(tmp_path / "ck"))
+    m, progress, store = _model(), Position(), CheckpointStore(str(tmp_path / "ck"))
     ckpt = CheckpointSpec(every_epochs=5, keep=100, every_seconds=0.25)
     training = cbm.OneTraining([
         Tick(), cbm.ProgressCallback(progress),

@@ -26,8 +26,9 @@ def register_stack_dump(stream=None) -> None:
     faulthandler.register(STACK_DUMP_SIGNAL, file=stream or sys.stderr, all_threads=True)
 
 
-class Progress:
-    """Where the attempt is, for the heartbeat and the error record."""
+class Position:
+    """Where the attempt is, for the heartbeat and the error record (the console's progress
+    display is ``supervise.console.Progress``)."""
 
     def __init__(self, epoch: int = 0):
         self.epoch = epoch  # epochs completed

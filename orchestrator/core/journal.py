@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 import threading
 import time
@@ -67,7 +66,3 @@ class Journal:
                         yield record
         except FileNotFoundError:
             return
-
-
-def host() -> str:
-    return socket.gethostname()

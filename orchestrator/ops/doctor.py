@@ -6,7 +6,12 @@ TensorFlow imports and has TPU kernels (``ConfigureDistributedTPU``, the op a pl
 ``tensorflow`` installed over ``tensorflow-tpu`` loses); the accelerator in sight (TPU node,
 TPU VM, GPU or none, with ``probes``, which never touch the chip) and whether it answers; the
 run directory (on a mounted Drive? writable?), free disk and memory, and pip (for the
-reinstall action). Exit status 1 when a run would fail.
+reinstall action). Given a job, the job's own code too, in a probe process of its own
+(``python -m orchestrator.train.jobcheck``): its modules import, its factories resolve and take
+their args, Keras knows its compile identifiers, its model builds, compiles and takes a batch
+of its data through the first step's loss; a mistake is named by its key (``compile.optimizer``)
+before any training, where a worker would stop on it after one attempt. Exit status 1 when a
+run would fail.
 """
 from __future__ import annotations
 
@@ -17,9 +22,11 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import uuid
 from dataclasses import asdict, dataclass
 
+from orchestrator.core.osutil import read_json
 from orchestrator.recovery import probes
 
 OK, WARN, FAIL = "ok", "warn", "fail"
@@ -30,6 +37,10 @@ TPU_DISTRIBUTIONS = ("tensorflow-tpu", "tf-nightly-tpu", "libtpu", "libtpu-night
 DRIVE_ROOT = "/content/drive"
 MIN_DISK_GB, LOW_DISK_GB, LOW_MEMORY_GB = 1.0, 5.0, 1.0
 PROBE_TIMEOUT_S = 300
+# The job-code probe imports TensorFlow and calls the job's data factory, which may download.
+JOB_CHECK_TIMEOUT_S = 900
+# The probes run this very orchestrator package, wherever the current directory is.
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _PROBE_TAG = "DOCTOR-PROBE "
 _PROBE = r"""
 import json, os, sys
@@ -85,6 +96,35 @@ def tensorflow_probe(python: str = sys.executable, devices: bool = True,
             return json.loads(line[len(_PROBE_TAG):])
     tail = (p.stderr.strip().splitlines() or ["no output"])[-1]
     return {"error": f"the probe exited {p.returncode}: {tail}"}
+
+
+def _probe_env(base=None) -> dict:
+    base = dict(os.environ if base is None else base)
+    paths = [REPO_ROOT] + [p for p in base.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return dict(base, PYTHONPATH=os.pathsep.join(paths), TF_CPP_MIN_LOG_LEVEL="3")
+
+
+def check_job_code(job_path: str, python: str = sys.executable,
+                   timeout: float = JOB_CHECK_TIMEOUT_S) -> Check:
+    """The job's code, built as a worker would build it, in a process of its own."""
+    with tempfile.TemporaryDirectory(prefix="orchestrator-jobcheck-") as tmp:
+        result_path = os.path.join(tmp, "result.json")
+        cmd = [python, "-m", "orchestrator.train.jobcheck", os.path.abspath(job_path),
+               "--result", result_path]
+        try:
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                               stdin=subprocess.DEVNULL, env=_probe_env())
+        except subprocess.TimeoutExpired:
+            return Check("job code", FAIL, f"building the job's model took longer than "
+                         f"{timeout:g} s")
+        result = read_json(result_path)
+    if not result:
+        tail = (p.stderr.strip().splitlines() or ["no output"])[-1]
+        return Check("job code", FAIL, f"the job-code probe exited {p.returncode} with no "
+                     f"verdict: {tail}")
+    if result.get("ok"):
+        return Check("job code", OK, f"{result['detail']} ({result['seconds']:.1f} s)")
+    return Check("job code", FAIL, result["error"])
 
 
 def check_tensorflow(dists: dict, probe: dict | None, wants_tpu: bool) -> list[Check]:
@@ -226,7 +266,7 @@ def check_pip(python: str = sys.executable) -> Check:
     return Check("pip", OK, p.stdout.strip().split(" from ")[0])
 
 
-def diagnose(run_dir: str, strategy: str = "auto", env=None, run_probe: bool = True,
+def check_runtime(run_dir: str, strategy: str = "auto", env=None, run_probe: bool = True,
              python: str = sys.executable, drive_root: str = DRIVE_ROOT,
              ismount=os.path.ismount) -> list[Check]:
     """All checks, in the order a person reads them."""
@@ -250,7 +290,7 @@ def run(job: str | None = None, run_dir: str | None = None, **kw) -> list[Check]
     """The checks for ``job`` (its run_dir and strategy), or for ``run_dir`` with no job."""
     from orchestrator.core.spec import SpecError, load
 
-    strategy, first = "auto", []
+    strategy, first, spec = "auto", [], None
     if job is not None:
         try:
             spec = load(job, run_dir=run_dir)
@@ -260,7 +300,13 @@ def run(job: str | None = None, run_dir: str | None = None, **kw) -> list[Check]
             strategy, run_dir = spec.strategy, spec.run_dir
             first.append(Check("job", OK, f"{spec.job_path}: strategy {strategy}, "
                                f"{spec.epochs} epochs"))
-    return first + diagnose(run_dir or os.getcwd(), strategy, **kw)
+    checks = first + check_runtime(run_dir or os.getcwd(), strategy, **kw)
+    if spec is not None and kw.get("run_probe", True):
+        if not any(c.name == "tensorflow import" and c.level == OK for c in checks):
+            checks.append(Check("job code", WARN, "not checked: TensorFlow does not import"))
+        else:
+            checks.append(check_job_code(spec.job_path, kw.get("python", sys.executable)))
+    return checks
 
 
 def would_fail(checks: list[Check]) -> bool:

@@ -72,7 +72,10 @@ class Session:
 
 
 @dataclass
-class Fault:
+class FaultMark:
+    """A failed attempt as the report and status mark it (an injected fault is
+    ``recovery.faults.FaultSpec``)."""
+
     ts: float
     attempt: int | None
     kind: str
@@ -184,8 +187,9 @@ def build(events: list[dict], running: bool = False, now: float | None = None) -
                     a.how = "the supervisor vanished (VM recycled or killed)"
                     a.actions.append("resumed by the next `orchestrator run`"
                                      if s is not sessions[-1] else "none yet: run it again")
-    faults = [Fault(ts=a.ended, attempt=a.n, kind=a.kind, action="; ".join(a.actions) or "none",
-                    detail=error_line(a.error) or a.how)
+    faults = [FaultMark(ts=a.ended, attempt=a.n, kind=a.kind,
+                        action="; ".join(a.actions) or "none",
+                        detail=error_line(a.error) or a.how)
               for a in attempts.values() if a.failed]
     return Timeline(sessions=sessions, attempts=list(attempts.values()), faults=faults,
                     markers=markers, epochs=epochs, events=events)

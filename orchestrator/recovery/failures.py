@@ -83,10 +83,6 @@ def catalogue(path: str | None = None) -> tuple[Signature, ...]:
     return tuple(out)
 
 
-def by_id(sig_id: str) -> Signature | None:
-    return next((s for s in catalogue() if s.id == sig_id), None)
-
-
 def injectable(kind: str) -> Signature | None:
     """The first signature of ``kind`` that says which real exception to raise for it."""
     return next((s for s in catalogue() if s.kind == kind and s.raise_), None)

@@ -48,7 +48,7 @@ class FaultSpecError(ValueError):
 
 
 @dataclass(frozen=True)
-class Fault:
+class FaultSpec:
     text: str
     what: str
     arg: str | None
@@ -61,7 +61,7 @@ class Fault:
         return re.sub(r"[^\w.-]+", "_", self.text)
 
 
-def parse(text: str) -> Fault:
+def parse(text: str) -> FaultSpec:
     m = _SPEC.match(text.strip())
     usage = ("expected kill@step=N, hang@step=N, raise=KIND@step=N, exit=CODE@step=N, "
              "corrupt-checkpoint@epoch=N, storage-down@step=N,for=SECONDS, kill@checkpoint=N "
@@ -83,7 +83,7 @@ def parse(text: str) -> Fault:
                              f"(and storage-down needs it)")
     if what in ("kill", "hang", "corrupt-checkpoint", "storage-down") and arg:
         raise FaultSpecError(f"--fault {text!r}: {what} takes no '=' argument")
-    return Fault(text.strip(), what, arg, at, int(m["n"]),
+    return FaultSpec(text.strip(), what, arg, at, int(m["n"]),
                  float(m["for"]) if m["for"] else None)
 
 
@@ -138,7 +138,7 @@ class Injector:
         return _FaultyStore(store, self) if self.faults else store
 
     # ---------------------------------------------------------------- firing
-    def _fire(self, f: Fault) -> None:
+    def _fire(self, f: FaultSpec) -> None:
         if f.what == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         elif f.what == "hang":
@@ -151,7 +151,7 @@ class Injector:
             os._exit(int(f.arg))
         # storage-down: the claim records until when; _FaultyStore consults it
 
-    def _claim(self, f: Fault, **extra) -> bool:
+    def _claim(self, f: FaultSpec, **extra) -> bool:
         """Record durably that ``f`` fired (exactly one claimant per run); journal it."""
         os.makedirs(self.dir, exist_ok=True)
         path = os.path.join(self.dir, f"{f.id}.json")

@@ -14,7 +14,7 @@ import numpy as np
 
 from orchestrator.train import state
 from orchestrator.checkpoint.store import CheckpointStore
-from orchestrator.core.heartbeat import HeartbeatWriter, Progress
+from orchestrator.core.heartbeat import HeartbeatWriter, Position
 from orchestrator.core.spec import CheckpointSpec
 
 
@@ -90,7 +90,7 @@ class ProgressCallback(keras.callbacks.Callback):
     epoch); Keras counts batches from 0 in every call.
     """
 
-    def __init__(self, progress: Progress, on_first_step=None):
+    def __init__(self, progress: Position, on_first_step=None):
         super().__init__()
         self.progress = progress
         self.on_first_step = on_first_step
@@ -221,7 +221,7 @@ class ResumeState(keras.callbacks.Callback):
 
 
 class HeartbeatCallback(keras.callbacks.Callback):
-    def __init__(self, writer: HeartbeatWriter, progress: Progress):
+    def __init__(self, writer: HeartbeatWriter, progress: Position):
         super().__init__()
         self.writer, self.progress = writer, progress
 
@@ -248,7 +248,7 @@ class CheckpointCallback(keras.callbacks.Callback):
     grows, whatever the optimizer counts (a LossScaleOptimizer does not count skipped steps).
     """
 
-    def __init__(self, store: CheckpointStore, ckpt: CheckpointSpec, progress: Progress,
+    def __init__(self, store: CheckpointStore, ckpt: CheckpointSpec, progress: Position,
                  steps_per_epoch: int, last_epoch: int, history: list, base_manifest: dict,
                  states: CallbackStates, notice=None):
         super().__init__()
@@ -316,7 +316,7 @@ class FaultCallback(keras.callbacks.Callback):
     """Fires injected faults at their global step (faults.py); added only when there are any,
     after the ProgressCallback."""
 
-    def __init__(self, injector, progress: Progress):
+    def __init__(self, injector, progress: Position):
         super().__init__()
         self.injector, self.progress = injector, progress
 

@@ -1,11 +1,12 @@
 """Export a run's model for inference: ``python -m orchestrator.train.export RUN_DIR [--out DIR]``.
 
 Worker side (imports TensorFlow). At the end of a run the worker exports the model it trained
-(on the CPU with no strategy: see ``worker._export_at_end``); otherwise, or when that failed, the
-supervisor runs this module as its own process, as ``orchestrator export`` does. That builds
-the job's model with no distribution strategy on the CPU and restores the newest checkpoint
-that verifies (either tier). Either way the weights fingerprint is checked against the
-checkpoint's manifest, and the files are written under a temporary name then renamed into place:
+(on the CPU with no strategy: ``worker._export_at_end`` calls ``write``); otherwise, or when
+that failed, the supervisor runs this module as its own process, as ``orchestrator export``
+does. That builds the job's model (``jobcode``) with no distribution strategy on the CPU and
+restores the newest checkpoint that verifies (either tier). Either way the weights fingerprint
+is checked against the checkpoint's manifest, and the files are written under a temporary name
+then renamed into place:
 ``model.keras`` (architecture + weights + optimizer), ``model.weights.h5`` (weights only, for
 the job's own ``build_model``), ``saved_model/`` (Keras ``model.export``: a standalone
 SavedModel with a ``serve`` endpoint whose batch dimension is free) and ``export.json``.
@@ -24,6 +25,8 @@ from orchestrator.checkpoint import tiers
 from orchestrator.core.osutil import read_json, sha256_file, write_json_atomic
 from orchestrator.core.rundir import EXIT_CONFIG, RunDir
 from orchestrator.core.spec import SpecError, load
+from orchestrator.train import jobcode
+from orchestrator.train.jobcode import JobError
 
 
 class ExportError(Exception):
@@ -43,18 +46,14 @@ def export(run_dir: str, out: str | None = None) -> dict:
     if latest is None:
         raise ExportError(f"{rd.root}: no checkpoint verifies; nothing to export")
 
-    from orchestrator.train import datasets
+    from orchestrator.train import datasets, state
 
-    from orchestrator.train import state
-    from orchestrator.train.worker import _call_factory, _compile, _import_tensorflow
-
-    _import_tensorflow()
-
-    model = _call_factory(spec, "model")
-    _compile(model, spec)
+    jobcode.import_tensorflow()
+    model = jobcode.resolve(spec, spec.model, "model")()
+    jobcode.compile_model(model, spec)
     if not model.built:
-        data = datasets.normalise(_call_factory(spec, "data"), f"{spec.job_path}: key 'data'")
-        model(datasets.sample_batch(data, 2))
+        x, _ = datasets.sample_batch(jobcode.load_data(spec), 2)  # x only: (x, y) is no input
+        model(x, training=False)
     model.optimizer.build(model.trainable_variables)
     state.restore(model, state.load_arrays(latest.path))
     return write(model, spec, latest, out or rd.export)
@@ -109,8 +108,6 @@ def main(argv=None) -> int:
     p.add_argument("--out")
     args = p.parse_args(argv)
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # an export for any device: built on the CPU
-    from orchestrator.train.worker import JobError
-
     try:
         facts = export(args.run_dir, args.out)
     except (ExportError, SpecError, JobError) as exc:

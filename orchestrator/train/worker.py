@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
-import importlib
 import os
 import sys
 import threading
@@ -19,8 +17,10 @@ import time
 import traceback
 
 from orchestrator.checkpoint import tiers
+from orchestrator.train import jobcode
+from orchestrator.train.jobcode import JobError
 from orchestrator.recovery.faults import Injector
-from orchestrator.core.heartbeat import HeartbeatWriter, Progress, register_stack_dump
+from orchestrator.core.heartbeat import HeartbeatWriter, Position, register_stack_dump
 from orchestrator.core.journal import Journal
 from orchestrator.core.osutil import write_json_atomic
 from orchestrator.core.rundir import (CPU_DEVICES_ENV, ENV_BATCH_SIZE, ENV_REINIT, ENV_STRATEGY, EXIT_CONFIG, EXIT_PREEMPTED,
@@ -28,94 +28,6 @@ from orchestrator.core.rundir import (CPU_DEVICES_ENV, ENV_BATCH_SIZE, ENV_REINI
 from orchestrator.core.spec import JobSpec, SpecError, load
 from orchestrator.core.events import Event
 from orchestrator.train.preemption import Preempted, PreemptionNotice
-
-
-class JobError(Exception):
-    """The job's configuration or code is wrong; retrying will not help."""
-
-
-def _import_tensorflow():
-    try:
-        import tensorflow as tf  # noqa: F401
-        import keras  # noqa: F401
-    except ModuleNotFoundError as exc:
-        if exc.name not in ("tensorflow", "keras"):
-            raise
-        raise JobError(
-            f"TensorFlow is not installed for {sys.executable}: install the extra "
-            f"`pip install 'orchestrator[cpu]'` (or '[tensorflow]' for GPU); on a Colab TPU "
-            f"runtime install the pinned tensorflow-tpu instead, never plain tensorflow") from None
-
-
-def _resolve(spec: JobSpec, factory, key: str):
-    """Import ``module:function`` of the job (from its directory); return it with its args."""
-    module_name, func_name = factory.target.split(":")
-    if spec.job_dir not in sys.path:
-        sys.path.insert(0, spec.job_dir)
-    where = f"{spec.job_path}: key '{key}'"
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise JobError(f"{where}: cannot import module '{module_name}' "
-                       f"(looked in {spec.job_dir} and sys.path): {exc}") from exc
-    func = getattr(module, func_name, None)
-    if not callable(func):
-        raise JobError(f"{where}: module '{module_name}' has no function '{func_name}'")
-    return functools.partial(func, **factory.args)
-
-
-def _call_factory(spec: JobSpec, key: str, **extra):
-    return _resolve(spec, getattr(spec, key), key)(**extra)
-
-
-def _compile(model, spec: JobSpec):
-    if spec.compile is not None:
-        model.compile(optimizer=spec.compile.optimizer, loss=spec.compile.loss,
-                      metrics=list(spec.compile.metrics))
-    elif not getattr(model, "compiled", False) or model.optimizer is None:
-        raise JobError(f"{spec.job_path}: the model factory returned an uncompiled model and "
-                       f"the job has no 'compile' section (give compile: {{optimizer, loss}})")
-
-
-def _job_callbacks(spec: JobSpec) -> list:
-    """The job's own callbacks: built-ins by name, or whatever its factories return."""
-    import keras
-
-    builtins = {"early_stopping": keras.callbacks.EarlyStopping,
-                "reduce_lr_on_plateau": keras.callbacks.ReduceLROnPlateau,
-                "terminate_on_nan": keras.callbacks.TerminateOnNaN}
-    out = []
-    for i, c in enumerate(spec.callbacks):
-        where = f"{spec.job_path}: key 'callbacks[{i}]'"
-        try:
-            made = (builtins[c.name](**c.args) if c.name else
-                    _resolve(spec, c.factory, f"callbacks[{i}]")())
-        except TypeError as exc:
-            raise JobError(f"{where}: {exc}") from exc
-        for cb in made if isinstance(made, (list, tuple)) else [made]:
-            if not isinstance(cb, keras.callbacks.Callback):
-                raise JobError(f"{where}: expected a keras.callbacks.Callback, got "
-                               f"{type(cb).__name__}")
-            out.append(cb)
-    return out
-
-
-def _schedule(spec: JobSpec, optimizer):
-    """The spec's learning-rate schedule, or None; checks the optimizer's rate can be set."""
-    from orchestrator.train import schedules
-    from orchestrator.train.callbacks import get_learning_rate
-
-    if spec.learning_rate is None:
-        return None
-    base = get_learning_rate(optimizer)  # as compiled, before any checkpoint is restored
-    try:
-        optimizer.learning_rate = base
-    except TypeError as exc:  # built with a keras LearningRateSchedule: not settable
-        raise JobError(f"{spec.job_path}: key 'learning_rate': the optimizer's rate cannot be "
-                       f"set ({exc}); drop the spec's schedule or the optimizer's") from exc
-    fn = (_resolve(spec, spec.learning_rate.function, "learning_rate")
-          if spec.learning_rate.function else None)
-    return schedules.build(spec.learning_rate, base, spec.epochs, fn)
 
 
 def _watch_parent(poll: float = 0.5) -> None:
@@ -141,31 +53,6 @@ def apply_overrides(spec: JobSpec, env=None) -> tuple[JobSpec, bool]:
     if env.get(ENV_BATCH_SIZE):
         changes["batch_size"] = int(env[ENV_BATCH_SIZE])
     return dataclasses.replace(spec, **changes), env.get(ENV_REINIT) == "1"
-
-
-def _build_model(spec: JobSpec, strategy, data):
-    """Build and compile the job's model in ``strategy``'s scope, with every variable a
-    checkpoint holds created now (model, metrics, optimizer), so that it can be restored."""
-    import keras
-
-    from orchestrator.train import datasets
-
-    with strategy.scope():
-        model = _call_factory(spec, "model")
-        if not isinstance(model, keras.Model):
-            raise JobError(f"{spec.job_path}: key 'model': the factory returned "
-                           f"{type(model).__name__}, expected a keras.Model")
-        _compile(model, spec)
-        x, y = datasets.sample_batch(data, 2)
-        y_pred = model(x, training=False)  # builds the model (no RNG, no statistics moved)
-        try:  # and the metrics, whose running state a mid-epoch checkpoint holds
-            model.compute_metrics(x, y, y_pred)
-            model.reset_metrics()
-        except Exception as exc:  # noqa: BLE001 - built at the first step instead
-            print(f"[worker] metrics not built before training ({exc}); a mid-epoch resume "
-                  f"then restarts the epoch's metrics", flush=True)
-        model.optimizer.build(model.trainable_variables)
-    return model
 
 
 def train(spec: JobSpec, rd: RunDir, attempt: int, progress, t_start: float,
@@ -206,13 +93,13 @@ def train(spec: JobSpec, rd: RunDir, attempt: int, progress, t_start: float,
     global_batch = spec.batch_size * replicas
     is_tpu = isinstance(strategy, tf.distribute.TPUStrategy)
 
-    data = datasets.normalise(_call_factory(spec, "data"), f"{spec.job_path}: key 'data'")
+    data = jobcode.load_data(spec)
     spe = datasets.steps_per_epoch(data.num_examples, global_batch, drop_remainder=is_tpu)
 
-    model = _build_model(spec, strategy, data)
+    model = jobcode.build_model(spec, strategy, data)
     with strategy.scope():
-        schedule = _schedule(spec, model.optimizer)
-    job_callbacks = _job_callbacks(spec)
+        schedule = jobcode.schedule(spec, model.optimizer)
+    job_callbacks = jobcode.job_callbacks(spec)
     states = CallbackStates(job_callbacks)
     marks["model_built"] = round(time.time() - t_start, 3)
 
@@ -386,9 +273,9 @@ def main(argv=None) -> int:
         return EXIT_PREEMPTED
     rd = RunDir(spec.run_dir).make()
 
-    progress = Progress()
+    progress = Position()
     try:
-        _import_tensorflow()
+        jobcode.import_tensorflow()
         marks = {"tf_imported": round(time.time() - t_start, 3)}
         from orchestrator.train import datasets
         from orchestrator.train import state

@@ -30,7 +30,7 @@ import traceback
 
 from orchestrator.checkpoint import tiers
 from orchestrator.recovery.faults import Injector
-from orchestrator.core.heartbeat import HeartbeatWriter, Progress, register_stack_dump
+from orchestrator.core.heartbeat import HeartbeatWriter, Position, register_stack_dump
 from orchestrator.core.journal import Journal
 from orchestrator.core.osutil import write_atomic, write_json_atomic
 from orchestrator.core.rundir import RunDir
@@ -88,7 +88,7 @@ def main():
     if n in plan.get("sleep_forever", []):
         while True:
             time.sleep(1)
-    progress = Progress()
+    progress = Position()
     try:
         train(spec, rd, a.attempt, plan, progress)
     except Exception as exc:  # noqa: BLE001 - recorded like the real worker does

@@ -1,0 +1,74 @@
+"""The doctor's job-code probe: ``python -m orchestrator.train.jobcheck JOB --result FILE``.
+
+``orchestrator doctor JOB`` runs on the supervisor side, which never imports TensorFlow, so it
+starts this module as a process of its own. It does what a worker does before its first step,
+on the CPU with no strategy and without writing anything in the run directory: import the job's
+modules and resolve every factory, check the compile identifiers against Keras, load the data,
+build and compile the model and run the first step's forward pass and loss on a sample batch
+(``jobcode``), then the job's callbacks and learning-rate schedule. The first mistake is written
+to FILE as JSON with the key at fault (``compile.optimizer``, ``model`` ...); the exit status is
+0 when the job code is fine, ``EXIT_CONFIG`` for a job mistake, 1 for anything else.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import traceback
+
+from orchestrator.core.osutil import write_json_atomic
+from orchestrator.core.rundir import EXIT_CONFIG
+from orchestrator.core.spec import SpecError, load
+from orchestrator.train import jobcode
+from orchestrator.train.jobcode import JobError
+
+
+def check(spec) -> str:
+    """Every job-code check in the worker's order; returns what was built, in words."""
+    jobcode.import_tensorflow()
+    import tensorflow as tf
+
+    made = jobcode.factories(spec)
+    jobcode.check_compile(spec)
+    data = jobcode.load_data(spec)
+    model = jobcode.build_model(spec, tf.distribute.get_strategy(), data)
+    jobcode.schedule(spec, model.optimizer)
+    callbacks = jobcode.job_callbacks(spec)
+    optimizer = type(model.optimizer).__name__
+    return (f"imported {', '.join(sorted({f.target for f in made}))}; model {model.name} "
+            f"({model.count_params():,} parameters, {optimizer}) takes a batch of the "
+            f"{data.num_examples} training examples through the first step's loss"
+            + (f"; {len(callbacks)} callback(s)" if callbacks else ""))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m orchestrator.train.jobcheck")
+    p.add_argument("job")
+    p.add_argument("--result", required=True, help="write the verdict here as JSON")
+    args = p.parse_args(argv)
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # a check of the job's code, not of the device
+    t0 = time.time()
+    result: dict = {"ok": False, "key": None}
+    try:
+        spec = load(args.job)
+        result.update(ok=True, detail=check(spec))
+        code = 0
+    except SpecError as exc:
+        result.update(error=str(exc))
+        code = EXIT_CONFIG
+    except JobError as exc:
+        result.update(error=str(exc), key=exc.key)
+        code = EXIT_CONFIG
+    except Exception as exc:  # noqa: BLE001 - the doctor reports it; the traceback goes to stderr
+        traceback.print_exc()
+        result.update(error=f"{type(exc).__name__}: {exc}".strip())
+        code = 1
+    result["seconds"] = round(time.time() - t0, 3)
+    write_json_atomic(args.result, result)
+    print(f"[jobcheck] {result.get('detail') or result.get('error')}", file=sys.stderr)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,311 @@
+"""The job's own code as the worker-side processes meet it: factories, data, model, compile.
+
+The worker (``worker.py``), the exporter (``export.py``) and the doctor's probe
+(``jobcheck.py``) all import TensorFlow, resolve the job's ``module:function`` factories and
+build and compile its model; this module does it once for the three of them. Every mistake
+found here is the job's, and it is raised as a ``JobError`` that names the job file and the key
+(``model``, ``data``, ``compile.optimizer``, ``callbacks[0]`` ...) with what was expected: the
+worker then exits ``EXIT_CONFIG`` with a fatal error record, which the supervisor classifies as
+``user_error`` and does not retry. Before this, an unknown optimizer or a factory's
+``TypeError`` was retried as ``unknown`` until the restart budget was spent (5.6 s an attempt).
+"""
+from __future__ import annotations
+
+import difflib
+import importlib
+import inspect
+import re
+import sys
+from dataclasses import dataclass, field
+
+from orchestrator.core.spec import JobSpec
+
+# Names ``Model.compile`` resolves itself by the labels' shape, which Keras's ``get`` does not
+# know (keras/src/trainers/compile_utils.py: get_metric, get_loss).
+_COMPILE_ALIASES = {"loss": ("crossentropy", "ce"), "metrics": ("accuracy", "acc")}
+# What a shape mismatch between the model and the data says (Keras layer input checks, loss
+# rank checks, TensorFlow's shape-incompatible kernels, a sparse label out of range).
+_MISMATCH = re.compile(r"shape|rank|ndim|incompatible|dimension|label value", re.I)
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")  # Keras puts the layer's message in bold
+
+
+class JobError(Exception):
+    """The job's configuration or code is wrong; retrying will not help. ``key`` is the job
+    file's key at fault (``model``, ``compile.optimizer`` ...), when one is."""
+
+    def __init__(self, message: str, key: str | None = None):
+        super().__init__(message)
+        self.key = key
+
+
+def import_tensorflow() -> None:
+    """Import TensorFlow and Keras, or say in one line which extra to install."""
+    try:
+        import tensorflow as tf  # noqa: F401
+        import keras  # noqa: F401
+    except ModuleNotFoundError as exc:
+        if exc.name not in ("tensorflow", "keras"):
+            raise
+        raise JobError(
+            f"TensorFlow is not installed for {sys.executable}: install the extra "
+            f"`pip install 'orchestrator[cpu]'` (or '[tensorflow]' for GPU); on a Colab TPU "
+            f"runtime install the pinned tensorflow-tpu instead, never plain tensorflow") from None
+
+
+def _where(spec: JobSpec, key: str) -> str:
+    return f"{spec.job_path}: key '{key}'"
+
+
+@dataclass(frozen=True)
+class Factory:
+    """One of the job's ``module:function`` factories, resolved: the function, the args the
+    job file gives it, and where it comes from (the key and the module's file)."""
+
+    key: str
+    target: str
+    func: object
+    args: dict = field(default_factory=dict)
+    file: str | None = None
+    where: str = ""
+
+    def __call__(self, *positional):
+        """Call it with the job's args; a ``TypeError`` names the key, the args and, when they
+        do not fit, the function's signature."""
+        shown = ", ".join([repr(p) for p in positional]
+                          + [f"{k}={v!r}" for k, v in self.args.items()])
+        call = f"{self.target}({shown})"
+        try:
+            sig = inspect.signature(self.func)
+        except (TypeError, ValueError):  # a builtin or a C function: the call will say
+            sig = None
+        if sig is not None:
+            try:
+                sig.bind(*positional, **self.args)
+            except TypeError as exc:
+                raise JobError(f"{self.where}: {call} does not fit the function's signature "
+                               f"{self.target.split(':')[1]}{sig}: {exc}", self.key) from None
+        try:
+            return self.func(*positional, **self.args)
+        except TypeError as exc:
+            raise JobError(f"{self.where}: {call} raised TypeError: {exc}", self.key) from exc
+
+
+def resolve(spec: JobSpec, factory, key: str) -> Factory:
+    """Import ``module:function`` of the job (from its directory first)."""
+    module_name, func_name = factory.target.split(":")
+    if spec.job_dir not in sys.path:
+        sys.path.insert(0, spec.job_dir)
+    where = _where(spec, key)
+    try:
+        module = importlib.import_module(module_name)
+    except SyntaxError as exc:
+        raise JobError(f"{where}: module '{module_name}' does not compile: {exc.msg} "
+                       f"({exc.filename}:{exc.lineno})", key) from exc
+    except ImportError as exc:
+        raise JobError(f"{where}: cannot import module '{module_name}' "
+                       f"(looked in {spec.job_dir} and sys.path): {exc}", key) from exc
+    func = getattr(module, func_name, None)
+    if not callable(func):
+        raise JobError(f"{where}: module '{module_name}' has no function '{func_name}'", key)
+    return Factory(key, factory.target, func, dict(factory.args),
+                   getattr(module, "__file__", None), where)
+
+
+def factories(spec: JobSpec) -> list[Factory]:
+    """Every factory the job names, resolved (imports each of the job's modules)."""
+    out = [resolve(spec, spec.model, "model"), resolve(spec, spec.data, "data")]
+    out += [resolve(spec, c.factory, f"callbacks[{i}]")
+            for i, c in enumerate(spec.callbacks) if not c.name]
+    if spec.learning_rate is not None and spec.learning_rate.function:
+        out.append(resolve(spec, spec.learning_rate.function, "learning_rate"))
+    return out
+
+
+def load_data(spec: JobSpec):
+    """The data factory's result as ``datasets.JobData``."""
+    from orchestrator.train import datasets
+
+    try:
+        return datasets.normalise(resolve(spec, spec.data, "data")(), _where(spec, "data"))
+    except datasets.DataError as exc:
+        raise JobError(str(exc), "data") from exc
+
+
+def _accepted(module, base: type, aliases=()) -> list[str]:
+    """The names ``module.get`` resolves, asked of Keras itself: the public functions and the
+    classes' lower or snake-case names, kept when ``get`` takes them."""
+    names = set(aliases)
+    for n, obj in vars(module).items():
+        if n.startswith("_") or n in ("get", "serialize", "deserialize"):
+            continue
+        if inspect.isclass(obj) and issubclass(obj, base) and obj is not base:
+            names.update({n.lower(), re.sub(r"(?<!^)(?=[A-Z][a-z])", "_", n).lower()})
+        elif inspect.isfunction(obj):
+            names.add(n)
+    ok = []
+    for n in sorted(names):
+        try:
+            if n in aliases or module.get(n) is not None:
+                ok.append(n)
+        except Exception:  # noqa: BLE001 - not a name get() takes (needs arguments ...)
+            continue
+    return ok
+
+
+def _check_identifier(spec: JobSpec, key: str, ident, module, base, aliases=()) -> None:
+    if isinstance(ident, str) and ident.lower() in aliases:
+        return
+    try:
+        module.get(ident)
+        return
+    except (ValueError, TypeError) as exc:
+        problem = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    accepted = _accepted(module, base, aliases)
+    close = (difflib.get_close_matches(ident.lower(), accepted, n=3)
+             if isinstance(ident, str) else [])
+    hint = f"did you mean {' or '.join(repr(c) for c in close)}? " if close else ""
+    raise JobError(f"{_where(spec, key)}: Keras does not accept {ident!r} ({problem}); {hint}"
+                   f"Keras accepts {', '.join(accepted)} (or a class name, or a mapping "
+                   f"{{class_name: ..., config: {{...}}}})", key)
+
+
+def check_compile(spec: JobSpec) -> None:
+    """The job's compile identifiers, checked against Keras's own ``get`` (what ``compile``
+    uses) before the model is built: ``Model.compile`` resolves metrics only at the first
+    training step, and a mistake there was retried as ``unknown``."""
+    import keras
+
+    c = spec.compile
+    if c is None:
+        return
+    _check_identifier(spec, "compile.optimizer", c.optimizer, keras.optimizers,
+                      keras.optimizers.Optimizer)
+    if isinstance(c.loss, dict) and "class_name" not in c.loss:  # one loss per output
+        losses = {f"compile.loss.{name}": loss for name, loss in c.loss.items()}
+    else:
+        losses = {"compile.loss": c.loss}
+    for key, loss in losses.items():
+        _check_identifier(spec, key, loss, keras.losses, keras.losses.Loss,
+                          _COMPILE_ALIASES["loss"])
+    for i, m in enumerate(c.metrics):
+        _check_identifier(spec, f"compile.metrics[{i}]", m, keras.metrics, keras.metrics.Metric,
+                          _COMPILE_ALIASES["metrics"])
+
+
+def compile_model(model, spec: JobSpec, checked: bool = False) -> None:
+    """Compile with the job's ``compile`` section, or keep the factory's compiled model."""
+    if spec.compile is not None:
+        if not checked:
+            check_compile(spec)
+        model.compile(optimizer=spec.compile.optimizer, loss=spec.compile.loss,
+                      metrics=list(spec.compile.metrics))
+    elif not getattr(model, "compiled", False) or model.optimizer is None:
+        raise JobError(f"{spec.job_path}: the model factory returned an uncompiled model and "
+                       f"the job has no 'compile' section (give compile: {{optimizer, loss}})",
+                       "compile")
+
+
+def _shapes(t) -> str:
+    import tensorflow as tf
+
+    shapes = [tuple(getattr(x, "shape", ())) for x in tf.nest.flatten(t)]
+    return ", ".join(str(s) for s in shapes) if shapes else "none"
+
+
+def first_step(spec: JobSpec, model, x, y):
+    """The first step's forward pass and loss on a sample batch, before training: a model and
+    data that do not fit fail here, named by both keys, instead of in ``fit`` as ``unknown``.
+    Runs with ``training=False``: no RNG drawn, no statistics moved, nothing the resume sees."""
+    import tensorflow as tf
+
+    try:
+        y_pred = model(x, training=False)
+        if "training" in inspect.signature(model.compute_loss).parameters:
+            model.compute_loss(x, y, y_pred, training=False)
+        else:  # a model of the job's that overrides compute_loss the Keras 3.0 way
+            model.compute_loss(x, y, y_pred)
+    except (ValueError, tf.errors.InvalidArgumentError) as exc:
+        # Keras wraps a layer's error in "Exception encountered when calling ..." and appends
+        # "Arguments received by ...", whose tensor reprs say "shape": read the error itself.
+        core = _ANSI.sub("", str(exc)).split("Arguments received by")[0]
+        text = [ln.strip() for ln in core.splitlines()
+                if ln.strip() and not ln.startswith("Exception encountered when calling")]
+        if not _MISMATCH.search("\n".join(text)):
+            raise
+        inputs = ", ".join(str(tuple(i.shape)) for i in getattr(model, "inputs", None) or [])
+        raise JobError(
+            f"{spec.job_path}: keys 'model' and 'data' do not fit: the model from "
+            f"{spec.model.target} (inputs {inputs or 'not declared'}) on a batch from "
+            f"{spec.data.target} (x {_shapes(x)}; y {_shapes(y)}) fails in the first step: "
+            f"{type(exc).__name__}: {text[0] if text else ''}", "model, data") from exc
+    return y_pred
+
+
+def build_model(spec: JobSpec, strategy, data):
+    """Build and compile the job's model in ``strategy``'s scope, with every variable a
+    checkpoint holds created now (model, metrics, optimizer), so that it can be restored."""
+    import keras
+
+    from orchestrator.train import datasets
+
+    check_compile(spec)  # outside the scope: the throwaway optimizers it makes are not placed
+    with strategy.scope():
+        model = resolve(spec, spec.model, "model")()
+        if not isinstance(model, keras.Model):
+            raise JobError(f"{_where(spec, 'model')}: the factory returned "
+                           f"{type(model).__name__}, expected a keras.Model", "model")
+        compile_model(model, spec, checked=True)
+        x, y = datasets.sample_batch(data, 2)
+        y_pred = first_step(spec, model, x, y)  # builds the model
+        try:  # and the metrics, whose running state a mid-epoch checkpoint holds
+            model.compute_metrics(x, y, y_pred)
+            model.reset_metrics()
+        except Exception as exc:  # noqa: BLE001 - built at the first step instead
+            print(f"[worker] metrics not built before training ({exc}); a mid-epoch resume "
+                  f"then restarts the epoch's metrics", flush=True)
+        model.optimizer.build(model.trainable_variables)
+    return model
+
+
+def job_callbacks(spec: JobSpec) -> list:
+    """The job's own callbacks: built-ins by name, or whatever its factories return."""
+    import keras
+
+    builtins = {"early_stopping": keras.callbacks.EarlyStopping,
+                "reduce_lr_on_plateau": keras.callbacks.ReduceLROnPlateau,
+                "terminate_on_nan": keras.callbacks.TerminateOnNaN}
+    out = []
+    for i, c in enumerate(spec.callbacks):
+        key = f"callbacks[{i}]"
+        if c.name:
+            try:
+                made = builtins[c.name](**c.args)
+            except TypeError as exc:
+                raise JobError(f"{_where(spec, key)}: {exc}", key) from exc
+        else:
+            made = resolve(spec, c.factory, key)()
+        for cb in made if isinstance(made, (list, tuple)) else [made]:
+            if not isinstance(cb, keras.callbacks.Callback):
+                raise JobError(f"{_where(spec, key)}: expected a keras.callbacks.Callback, got "
+                               f"{type(cb).__name__}", key)
+            out.append(cb)
+    return out
+
+
+def schedule(spec: JobSpec, optimizer):
+    """The spec's learning-rate schedule, or None; checks the optimizer's rate can be set."""
+    from orchestrator.train import schedules
+    from orchestrator.train.callbacks import get_learning_rate
+
+    if spec.learning_rate is None:
+        return None
+    base = get_learning_rate(optimizer)  # as compiled, before any checkpoint is restored
+    try:
+        optimizer.learning_rate = base
+    except TypeError as exc:  # built with a keras LearningRateSchedule: not settable
+        raise JobError(f"{_where(spec, 'learning_rate')}: the optimizer's rate cannot be "
+                       f"set ({exc}); drop the spec's schedule or the optimizer's",
+                       "learning_rate") from exc
+    fn = (resolve(spec, spec.learning_rate.function, "learning_rate")
+          if spec.learning_rate.function else None)
+    return schedules.build(spec.learning_rate, base, spec.epochs, fn)

@@ -1,0 +1,162 @@
+"""Job mistakes named by their key, with real Keras (train/jobcode.py): a factory's TypeError,
+compile identifiers Keras does not know, a model and data whose shapes do not fit.
+
+Keras is imported by the tests, not at collection: other tests check that pytest's own process
+stays free of TensorFlow.
+"""
+import textwrap
+
+import pytest
+
+from orchestrator.core.spec import load
+
+pytestmark = pytest.mark.e2e
+jobcode = None
+
+# A job module: a dense model over 4 features, data with 4 or 6 features, factories that take
+# arguments (or break).
+JOB_MODULE = """
+import numpy as np
+
+
+def build_model(width=8, classes=3):
+    import keras
+    return keras.Sequential([keras.Input((4,)), keras.layers.Dense(width, activation="relu"),
+                             keras.layers.Dense(classes, activation="softmax")])
+
+
+def load_data(features=4, examples=16):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(examples, features)).astype("float32")
+    return {"train": (x, (x.sum(axis=1) > 0).astype("int32"))}
+
+
+def broken_data():
+    return len(5)
+"""
+
+
+@pytest.fixture(autouse=True)
+def _keras():
+    global jobcode
+    pytest.importorskip("keras")
+    from orchestrator.train import jobcode
+
+
+@pytest.fixture
+def job(tmp_path, write_job):
+    """A job file over JOB_MODULE; keyword arguments replace its top-level keys (YAML text)."""
+    (tmp_path / "toy_job.py").write_text(JOB_MODULE)
+
+    def make(**keys):
+        base = {"name": "toy", "model": "toy_job:build_model", "data": "toy_job:load_data",
+                "compile": "{optimizer: adam, loss: sparse_categorical_crossentropy, "
+                           "metrics: [accuracy]}",
+                "epochs": "1", "batch_size": "4"}
+        base.update(keys)
+        return load(write_job("".join(f"{k}: {v}\n" for k, v in base.items())))
+
+    return make
+
+
+def _build(spec):
+    import tensorflow as tf
+
+    return jobcode.build_model(spec, tf.distribute.get_strategy(), jobcode.load_data(spec))
+
+
+def test_a_factory_called_with_args_it_does_not_take_names_the_key_and_the_args(job):
+    spec = job(model="{factory: toy_job:build_model, args: {depth: 3}}")
+    with pytest.raises(jobcode.JobError) as e:
+        _build(spec)
+    msg = str(e.value)
+    assert e.value.key == "model"
+    assert "job.yaml: key 'model'" in msg and "toy_job:build_model(depth=3)" in msg
+    assert "build_model(width=8, classes=3)" in msg  # its signature
+    assert "unexpected keyword argument 'depth'" in msg
+
+
+def test_a_type_error_raised_inside_a_factory_names_the_key_and_the_args(job):
+    spec = job(data="{factory: toy_job:broken_data, args: {}}")
+    with pytest.raises(jobcode.JobError) as e:
+        jobcode.load_data(spec)
+    assert e.value.key == "data"
+    assert "key 'data': toy_job:broken_data() raised TypeError" in str(e.value)
+    assert "has no len()" in str(e.value)
+
+
+@pytest.mark.parametrize("compile_, key, wanted", [
+    ("{optimizer: adamm, loss: sparse_categorical_crossentropy}", "compile.optimizer", "adam"),
+    ("{optimizer: adam, loss: sparse_categorical_crossentropie}", "compile.loss",
+     "sparse_categorical_crossentropy"),
+    ("{optimizer: adam, loss: mse, metrics: [accuracy, mean_absolut_error]}",
+     "compile.metrics[1]", "mean_absolute_error"),
+])
+def test_an_identifier_keras_does_not_know_is_named_with_its_key_and_what_keras_accepts(
+        job, compile_, key, wanted):
+    spec = job(compile=compile_)
+    with pytest.raises(jobcode.JobError) as e:
+        jobcode.check_compile(spec)
+    msg = str(e.value)
+    assert e.value.key == key and f"key '{key}': Keras does not accept" in msg
+    assert f"did you mean '{wanted}'" in msg
+    accepted = msg.split("Keras accepts ")[1]
+    assert wanted in accepted and accepted.count(",") >= 5  # the list, not one name
+    with pytest.raises(jobcode.JobError, match=key.replace("[", r"\[")):
+        _build(spec)  # the worker's build checks them before the first step
+
+
+def test_identifiers_keras_accepts_pass_in_every_form(job):
+    for compile_ in ("{optimizer: Adam, loss: SparseCategoricalCrossentropy, metrics: [acc]}",
+                     "{optimizer: {class_name: sgd, config: {learning_rate: 0.1}}, "
+                     "loss: ce, metrics: [accuracy, sparse_top_k_categorical_accuracy]}"):
+        jobcode.check_compile(job(compile=compile_))
+    with pytest.raises(jobcode.JobError) as e:  # a mapping whose config Keras refuses
+        jobcode.check_compile(job(compile="{optimizer: {class_name: adam, config: {lr: 0.1}}, "
+                                          "loss: mse}"))
+    assert e.value.key == "compile.optimizer" and "lr" in str(e.value)
+
+
+def test_a_model_and_data_that_do_not_fit_name_both_keys(job):
+    spec = job(data="{factory: toy_job:load_data, args: {features: 6}}")
+    with pytest.raises(jobcode.JobError) as e:
+        _build(spec)
+    msg = str(e.value)
+    assert e.value.key == "model, data"
+    assert "keys 'model' and 'data' do not fit" in msg and "(None, 4)" in msg
+    assert "x (2, 6)" in msg and "first step" in msg
+    # labels that do not fit the loss: the loss of the first step says so
+    spec = job(compile="{optimizer: adam, loss: categorical_crossentropy}")
+    with pytest.raises(jobcode.JobError, match="keys 'model' and 'data' do not fit.*rank"):
+        _build(spec)
+
+
+def test_a_model_that_fits_its_data_builds_with_every_variable_a_checkpoint_holds(job):
+    model = _build(job())
+    assert model.built and model.optimizer.built
+    assert [v.path for v in model.metrics_variables] == [
+        "loss/total", "loss/count", "accuracy/total", "accuracy/count"]
+    assert all(float(v.numpy()) == 0 for v in model.metrics_variables)  # not moved
+
+
+def test_an_error_that_is_not_a_mismatch_keeps_its_own_class(job, tmp_path):
+    (tmp_path / "odd_job.py").write_text(textwrap.dedent("""
+        import keras
+
+        class Odd(keras.Model):
+            def call(self, x):
+                raise ValueError("the weather is wrong")
+
+        def build_model():
+            return Odd()
+    """))
+    with pytest.raises(ValueError, match="the weather is wrong") as e:
+        _build(job(model="odd_job:build_model"))
+    assert not isinstance(e.value, jobcode.JobError)
+
+
+def test_a_module_that_does_not_compile_is_named_with_its_key(job, tmp_path):
+    (tmp_path / "typo_job.py").write_text("def build_model(:\n    pass\n")
+    with pytest.raises(jobcode.JobError) as e:
+        jobcode.factories(job(model="typo_job:build_model"))
+    assert e.value.key == "model" and "typo_job.py:1" in str(e.value)
