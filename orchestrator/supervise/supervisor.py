@@ -41,6 +41,7 @@ from orchestrator.core.rundir import EXIT_STOPPED, RunDir
 from orchestrator.core.spec import JobSpec
 from orchestrator.recovery import faults as faults_mod
 from orchestrator.recovery.actions import Remedies
+from orchestrator.recovery.evidence import JobContext
 from orchestrator.recovery.failures import classify, read_tail
 from orchestrator.recovery.policy import GIVE_UP, Decision, Failure, RecoveryPolicy, is_preemption
 from orchestrator.supervise import admission
@@ -198,7 +199,7 @@ class Supervisor:
             error = error or {"type": "IncompleteRun",
                               "message": "the worker exited 0 before the last epoch"}
         d = classify(outcome.exit_code, error, read_tail(outcome.log), outcome.hang_age_s,
-                     outcome.oom)
+                     outcome.oom, job=JobContext.from_spec(self.spec))
         self._journal_ended(outcome, error, d.kind, d.signature)
         return Failure(outcome.attempt, d.kind, d.signature, self._position(outcome, error),
                        time.time(), d.evidence, d.escalate)
