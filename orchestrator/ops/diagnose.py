@@ -1,26 +1,49 @@
-"""``orchestrator diagnose``: what a pasted log or traceback is, and what the policy would do."""
+"""``orchestrator diagnose``: what a pasted log or traceback is, and what the policy would do.
+
+It consults every evidence layer (recovery/failures.py ``LAYERS``) and says which one decided and
+what it matched; when layers disagree (a GCS ``Unavailable:`` is storage to the signatures and a
+lost accelerator to the gRPC layer) it lists every candidate, the deciding one first.
+"""
 from __future__ import annotations
 
-from orchestrator.recovery import failures
+from orchestrator.recovery import evidence, failures
+from orchestrator.recovery.evidence import JobContext, Source
 from orchestrator.recovery.policy import RecoveryPolicy
 from orchestrator.core.spec import JobSpec, RecoverySpec
 from orchestrator.core.kinds import Action, Kind
 
 
-def diagnose(text: str, spec: JobSpec | None = None) -> dict:
+def diagnose(text: str, spec: JobSpec | None = None, layers=failures.LAYERS) -> dict:
     """Classify ``text`` (a log, a traceback, a gRPC status) and name the first action."""
-    m = failures.match_text(text)
-    kind = m.signature.kind if m else Kind.UNKNOWN
+    job = JobContext.from_spec(spec) if spec else None
+    verdict = evidence.consult([Source("text", text, text)], job, layers, exhaustive=True)
+    f = verdict.decided
+    kind = f.kind if f else Kind.UNKNOWN
     recovery = spec.recovery if spec else RecoverySpec()
     policy = RecoveryPolicy(recovery, spec.restarts.max if spec else 3,
                             applicable=lambda action: _static_applicable(recovery, action))
+    sig = f.signature if f else None
     return {
         "kind": kind,
         "action": policy.first_action(kind),
-        "signature": m.signature.id if m else None,
-        "evidence": m.evidence if m else None,
-        "source": m.signature.source if m else None,
+        "signature": sig.id if sig else None,
+        "evidence": f.evidence if f else None,
+        "source": sig.source if sig else None,
+        "layer": f.layer if f else None,
+        "matched": f.matched if f else None,
+        "conflict": verdict.conflict,
+        "candidates": _distinct(verdict.candidates),
     }
+
+
+def _distinct(candidates) -> list[dict]:
+    """The ranked candidates, one per layer and thing matched (a log repeats its lines)."""
+    out, seen = [], set()
+    for c in candidates:
+        if (c.layer, c.kind, c.matched) not in seen:
+            seen.add((c.layer, c.kind, c.matched))
+            out.append(c.as_dict() | {"rank": len(out) + 1})
+    return out
 
 
 def _static_applicable(r: RecoverySpec, action: str) -> str | None:

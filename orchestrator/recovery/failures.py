@@ -1,10 +1,11 @@
-"""What kind of failure an attempt died of: signatures (data) matched against what it left.
+"""What kind of failure an attempt died of: signatures (data), then evidence in layers.
 
 A failed attempt leaves an exit status or a signal, maybe an error record (the exception the
 worker caught) and its log. The kind decides the recovery, so it must come from the stable part
 of a message, whatever wrapper the failure came in. The signatures live in
-``failure_signatures.yaml`` next to this module; this module only normalises and matches.
-Supervisor side: never imports TensorFlow.
+``failure_signatures.yaml`` next to this module; this module normalises and matches them and is
+the first of the ``LAYERS`` (the others, for texts no signature was written from, are in
+``evidence.py``). Supervisor side: never imports TensorFlow.
 """
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ import yaml
 
 from orchestrator.core.rundir import EXIT_CONFIG
 from orchestrator.core.kinds import KINDS, Kind
+from orchestrator.recovery import evidence
+from orchestrator.recovery.evidence import Finding, JobContext, Source
 
 IGNORE = "ignore"
 # Signals that come from outside (the user, the OOM killer, a recycled VM, our own stop).
@@ -42,9 +45,12 @@ class Diagnosis:
     signature: str | None
     evidence: str
     escalate: dict | None = None
+    layer: str | None = None      # which evidence layer decided (None: exit status, signal ...)
+    matched: str | None = None    # what that layer matched, in words
 
     def as_dict(self) -> dict:
-        return {"kind": self.kind, "signature": self.signature, "evidence": self.evidence}
+        return {"kind": self.kind, "signature": self.signature, "evidence": self.evidence,
+                "layer": self.layer, "matched": self.matched}
 
 
 def normalise(text: str) -> str:
@@ -97,8 +103,14 @@ class Match:
 
 def match_text(text: str, signatures=None) -> Match | None:
     """The signature found last in ``text`` (ignored texts masked first), or None."""
+    found = match_all(text, signatures)
+    return found[0] if found else None
+
+
+def match_all(text: str, signatures=None) -> list[Match]:
+    """Every signature that matches ``text``, the one found last first (ties: file order)."""
     if not text:
-        return None
+        return []
     signatures = catalogue() if signatures is None else signatures
     lines = text.splitlines() or [text]
     starts, parts, pos = [], [], 1
@@ -114,7 +126,7 @@ def match_text(text: str, signatures=None) -> Match | None:
             for alt in s.match:
                 for needle in alt:
                     norm = norm.replace(needle, " " * len(needle))
-    best: tuple[int, int, Signature] | None = None
+    best: dict[str, tuple[int, int, Signature]] = {}
     for order, s in enumerate(signatures):
         if s.kind == IGNORE:
             continue
@@ -123,13 +135,40 @@ def match_text(text: str, signatures=None) -> Match | None:
             if min(found) < 0:
                 continue
             p = max(found)
-            if best is None or p > best[0]:
-                best = (p, order, s)
-    if best is None:
-        return None
-    p, _, sig = best
-    line_no = max(i for i, st in enumerate(starts) if st <= p + 1)  # needles start with ' '
-    return Match(sig, p, lines[line_no].strip()[:300])
+            if s.id not in best or p > best[s.id][0]:
+                best[s.id] = (p, order, s)
+    out = []
+    for p, _, sig in sorted(best.values(), key=lambda b: (-b[0], b[1])):
+        line_no = max(i for i, st in enumerate(starts) if st <= p + 1)  # needles start with ' '
+        out.append(Match(sig, p, lines[line_no].strip()[:300]))
+    return out
+
+
+class SignatureLayer:
+    """Layer 1: the catalogue. On an error record it reads ``type: message`` only, as before."""
+
+    name = "signatures"
+
+    def find(self, src: Source, job: JobContext) -> list[Finding]:
+        return [Finding(m.signature.kind, self.name, f"signature {m.signature.id}", m.evidence,
+                        m.position, m.signature) for m in match_all(src.head or src.text)]
+
+
+SIGNATURES = SignatureLayer()
+#: The evidence layers in the order they are consulted; each only when those above found nothing.
+LAYERS = (SIGNATURES, *evidence.AFTER_SIGNATURES)
+
+
+def sources_of(error: dict | None, log: str) -> list[Source]:
+    """The error record (its ``type: message`` for the signatures, its traceback for the other
+    layers), then the log."""
+    out = []
+    if error:
+        head = f"{error.get('qualified_type') or error.get('type')}: {error.get('message', '')}"
+        out.append(Source("error record", error.get("traceback") or head, head))
+    if log:
+        out.append(Source("log", log, log))
+    return out
 
 
 def read_tail(path: str, nbytes: int = LOG_TAIL_BYTES) -> str:
@@ -149,9 +188,11 @@ def _signal_name(n: int) -> str:
 
 
 def classify(exit_code: int | None = None, error: dict | None = None, log: str = "",
-             hang_s: float | None = None, oom: str | None = None) -> Diagnosis:
+             hang_s: float | None = None, oom: str | None = None,
+             job: JobContext | None = None, layers=LAYERS) -> Diagnosis:
     """The kind of one failed attempt, from the most to the least specific evidence.
-    ``oom``: the kernel's evidence that a SIGKILL was its OOM killer's (recovery/oom.py)."""
+    ``oom``: the kernel's evidence that a SIGKILL was its OOM killer's (recovery/oom.py);
+    ``job``: what belongs to the job (its files, modules, factories) for the exception layer."""
     if hang_s is not None:
         return Diagnosis(Kind.HANG, None, f"no heartbeat for {hang_s:.1f} s")
     if oom:
@@ -160,15 +201,12 @@ def classify(exit_code: int | None = None, error: dict | None = None, log: str =
         return Diagnosis(Kind.USER_ERROR, None, _error_line(error))
     if exit_code is not None and exit_code < 0 and -exit_code in _KILL_SIGNALS:
         return Diagnosis(Kind.KILLED, None, f"killed by {_signal_name(-exit_code)}")
-    if error:
-        text = f"{error.get('qualified_type') or error.get('type')}: {error.get('message', '')}"
-        m = match_text(text)
-        if m:
-            return Diagnosis(m.signature.kind, m.signature.id, _error_line(error),
-                             m.signature.escalate)
-    m = match_text(log)
-    if m:
-        return Diagnosis(m.signature.kind, m.signature.id, m.evidence, m.signature.escalate)
+    f = evidence.consult(sources_of(error, log), job, layers).decided
+    if f is not None:
+        sig = f.signature
+        return Diagnosis(f.kind, sig.id if sig else None,
+                         _error_line(error) if f.source == "error record" else f.evidence,
+                         sig.escalate if sig else None, f.layer, f.matched)
     if exit_code == EXIT_CONFIG:
         return Diagnosis(Kind.USER_ERROR, None, f"exit code {EXIT_CONFIG} (configuration)")
     if exit_code is not None and exit_code > 128 and exit_code - 128 in _KILL_SIGNALS:

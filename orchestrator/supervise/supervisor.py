@@ -41,6 +41,7 @@ from orchestrator.core.rundir import EXIT_STOPPED, RunDir
 from orchestrator.core.spec import JobSpec
 from orchestrator.recovery import faults as faults_mod
 from orchestrator.recovery.actions import Remedies
+from orchestrator.recovery.evidence import JobContext
 from orchestrator.recovery.failures import classify, read_tail
 from orchestrator.recovery.policy import GIVE_UP, Decision, Failure, RecoveryPolicy, is_preemption
 from orchestrator.supervise import admission
@@ -191,15 +192,15 @@ class Supervisor:
         """Journal ``attempt_ended``; classify it unless the run is complete (then None: the
         export or TensorFlow's teardown may die after the last commit and lose nothing)."""
         if self.ledger.completed(self.spec.epochs):
-            self._journal_ended(outcome, outcome.error, None, None)
+            self._journal_ended(outcome, outcome.error, None, None, None)
             return None
         error = outcome.error
         if outcome.exit_code == 0:
             error = error or {"type": "IncompleteRun",
                               "message": "the worker exited 0 before the last epoch"}
         d = classify(outcome.exit_code, error, read_tail(outcome.log), outcome.hang_age_s,
-                     outcome.oom)
-        self._journal_ended(outcome, error, d.kind, d.signature)
+                     outcome.oom, job=JobContext.from_spec(self.spec))
+        self._journal_ended(outcome, error, d.kind, d.signature, d.layer)
         return Failure(outcome.attempt, d.kind, d.signature, self._position(outcome, error),
                        time.time(), d.evidence, d.escalate)
 
@@ -260,12 +261,14 @@ class Supervisor:
         observer.start()
 
     def _journal_ended(self, outcome: Outcome, error: dict | None, kind: str,
-                       signature: str | None) -> None:
+                       signature: str | None, layer: str | None) -> None:
+        """``layer``: the evidence layer that named the kind (None: exit status, signal)."""
         rc = outcome.exit_code
         self.journal.append(Event.ATTEMPT_ENDED, attempt=outcome.attempt, exit_code=rc,
                             signal=signal_name(-rc) if rc < 0 else None,
                             duration_s=round(outcome.duration_s, 3), error=summary(error),
-                            epoch=self.ledger.latest_epoch(), kind=kind, signature=signature)
+                            epoch=self.ledger.latest_epoch(), kind=kind, signature=signature,
+                            layer=layer)
 
     def _ready_strategy(self, n: int) -> str | None:
         return next((e.get("strategy_kind") for e in self.journal.iter(Event.WORKER_READY)

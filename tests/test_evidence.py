@@ -1,0 +1,236 @@
+"""Evidence in layers: real failure texts (tests/fixtures/failure_texts.yaml), the signatures
+and the four layers after them, one by one, and what diagnose says about them."""
+import json
+import os
+import subprocess
+import sys
+import traceback
+
+import pytest
+import yaml
+
+from conftest import ROOT
+from orchestrator.core.kinds import KINDS, Kind
+from orchestrator.core.spec import load
+from orchestrator.recovery import evidence, failures
+from orchestrator.recovery.evidence import JobContext
+from orchestrator.recovery.failures import LAYERS, classify
+from orchestrator.ops.diagnose import diagnose
+
+FIXTURE = os.path.join(ROOT, "tests", "fixtures", "failure_texts.yaml")
+PLATFORMS = {"tpu_vm", "tpu_node", "gpu", "cpu", "drive", "object_storage", "network_fs"}
+# The layers in the order the issue specifies, the most specific first.
+LAYER_NAMES = ["signatures", "exception", "errno", "grpc", "driver_log"]
+
+
+def _texts():
+    with open(FIXTURE, encoding="utf-8") as f:
+        return yaml.safe_load(f)
+
+
+TEXTS = _texts()
+KEPT_OUT = [t for t in TEXTS if t.get("kept_out")]
+
+
+def _job(t) -> JobContext | None:
+    j = t.get("job")
+    return JobContext(j.get("dir"), frozenset(j.get("modules", ())),
+                      frozenset(j.get("functions", ()))) if j else None
+
+
+def _named(t, layers=LAYERS):
+    return classify(1, None, t["text"], job=_job(t), layers=layers)
+
+
+def test_the_fixture_holds_forty_real_texts_with_sources_on_every_platform():
+    ids = [t["id"] for t in TEXTS]
+    assert len(ids) == len(set(ids)) and len(TEXTS) >= 40 and len(KEPT_OUT) >= 12
+    sig_ids = {s.id for s in failures.catalogue()}
+    for t in TEXTS:
+        assert t["kind"] in KINDS and t["platform"] in PLATFORMS, t["id"]
+        assert t["source"].startswith("https://github.com/"), t["id"]
+        assert bool(t.get("kept_out")) != bool(t.get("signature")), t["id"]
+        assert t.get("signature") is None or t["signature"] in sig_ids, t["id"]
+        assert t.get("layer") in (None, *LAYER_NAMES), t["id"]
+    assert {t["platform"] for t in TEXTS} == PLATFORMS
+    # every new signature was written from a text kept here
+    assert {t["signature"] for t in TEXTS if t.get("signature")} >= {
+        "tpu_context_lost", "tpu_initialization_failed", "cuda_driver_insufficient",
+        "tf_cpu_instructions_missing", "drive_mount_failed", "drive_auth_failed",
+        "tf_checkpoint_write_failed", "gcs_request_failed", "gcs_api_unavailable"}
+
+
+@pytest.mark.parametrize("t", TEXTS, ids=[t["id"] for t in TEXTS])
+def test_every_real_text_is_named_right_and_by_the_expected_layer(t):
+    d = _named(t)
+    assert d.kind == t["kind"], (d, t["text"])
+    if t.get("signature"):
+        assert (d.layer, d.signature) == ("signatures", t["signature"])
+    elif t["kind"] == Kind.UNKNOWN:
+        assert d.layer is None
+    else:
+        assert d.layer == t["layer"], d
+        assert d.evidence and d.evidence in t["text"]
+
+
+def scoreboard():
+    """Kept-out failure texts (no signature written from them; not the non-failures) named
+    right with the signatures alone and with every layer."""
+    failing = [t for t in KEPT_OUT if t["kind"] != Kind.UNKNOWN]
+    alone = sum(_named(t, (failures.SIGNATURES,)).kind == t["kind"] for t in failing)
+    layered = sum(_named(t).kind == t["kind"] for t in failing)
+    return alone, layered, len(failing)
+
+
+def test_the_layers_name_every_kept_out_text_the_signatures_alone_miss_most():
+    alone, layered, n = scoreboard()
+    print(f"kept-out failure texts named right: signatures only {alone}/{n}, layers {layered}/{n}")
+    assert layered == n
+    assert alone <= n // 2
+
+
+def test_the_layers_are_consulted_most_specific_first():
+    assert [layer.name for layer in LAYERS] == LAYER_NAMES
+
+
+@pytest.mark.parametrize("name", LAYER_NAMES)
+def test_each_layer_is_needed_for_a_kept_out_text(name):
+    """Each layer names kept-out texts no other layer names right: drop it and they go wrong."""
+    cases = [t for t in KEPT_OUT if t.get("layer") == name]
+    assert cases, f"no kept-out text is expected to be named by {name}"
+    without = tuple(layer for layer in LAYERS if layer.name != name)
+    assert len(without) == len(LAYERS) - 1, f"{name} is not in failures.LAYERS"
+    for t in cases:
+        assert _named(t).kind == t["kind"], t["id"]
+    wrong = [t["id"] for t in cases if _named(t, without).kind != t["kind"]]
+    assert wrong, f"every text of {name} is also named right without it"
+
+
+def test_a_layer_only_speaks_when_the_layers_above_found_nothing():
+    serving = next(t for t in TEXTS if t["id"] == "gcs_gfile_unavailable_host")["text"]
+    # the gRPC layer alone takes GCS's "Unavailable:" for a lost accelerator ...
+    assert _named({"text": serving}, (evidence.GRPC,)).kind == Kind.ACCELERATOR_UNAVAILABLE
+    # ... but the signature above it decided first
+    assert _named({"text": serving}).kind == Kind.STORAGE
+
+
+def test_the_non_failures_that_look_like_failures_stay_unknown():
+    for tid in ("gpu_bfc_retry_warning_is_not_a_failure", "colab_cuinit_no_device_is_not_a_failure",
+                "cpu_avx_available_is_not_a_failure"):
+        t = next(t for t in TEXTS if t["id"] == tid)
+        assert [f.kind for layer in LAYERS for f in layer.find(
+            evidence.Source("log", t["text"], t["text"]), JobContext())] == [], tid
+
+
+def test_grpc_aborted_is_a_lost_accelerator_only_with_a_lost_session():
+    lost = "tensorflow.python.framework.errors_impl.AbortedError: Session 1d5a is not found."
+    assert classify(1, None, lost).kind == Kind.ACCELERATOR_UNAVAILABLE
+    plain = "tensorflow.python.framework.errors_impl.AbortedError: Operation was cancelled"
+    assert classify(1, None, plain).kind == Kind.UNKNOWN
+    assert classify(1, None, 'x {"grpc_status":4,"grpc_message":"x"}').kind == \
+        Kind.ACCELERATOR_UNAVAILABLE
+
+
+def test_errno_is_read_as_a_number_a_name_or_the_c_library_text():
+    for text in ("OSError: [Errno 28] No space left on device: '/ck/1'",
+                 "error: ENOSPC while writing", "h5py: errno = 116, error message = 'x'",
+                 "IoError(Os { code: 30, kind: ReadOnlyFilesystem })"):
+        assert classify(1, None, text).kind == Kind.STORAGE, text
+    assert classify(1, None, "OSError: [Errno 2] No such file or directory: 'x'").kind == \
+        Kind.UNKNOWN
+
+
+def _job_spec(tmp_path, write_job, module):
+    (tmp_path / f"{module}.py").write_text(
+        "def build_model(width=8):\n    return width\n\n"
+        "def load_data():\n    raise KeyError('label')\n")
+    return load(write_job(f"""
+        name: j
+        model: {{factory: "{module}:build_model", args: {{widht: 3}}}}
+        data: {module}:load_data
+        epochs: 1
+        batch_size: 4
+        """))
+
+
+def _raised_in_worker(call, *args) -> dict:
+    """A real error record as the worker writes it, its traceback starting at ``call``."""
+    try:
+        call(*args)
+    except Exception as exc:  # noqa: BLE001 - the record is what is under test
+        tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__.tb_next))
+        return {"type": type(exc).__name__, "message": str(exc), "traceback": tb,
+                "qualified_type": f"{type(exc).__module__}.{type(exc).__qualname__}"}
+    raise AssertionError("nothing raised")
+
+
+def test_a_factory_typeerror_is_the_jobs_when_the_job_says_which_factories_are_its(
+        tmp_path, write_job):
+    from orchestrator.train import worker
+
+    spec = _job_spec(tmp_path, write_job, "evjob_factory")
+    error = _raised_in_worker(worker._call_factory, spec, "model")
+    assert "build_model() got an unexpected keyword argument 'widht'" in error["message"]
+    # raised in the orchestrator's own frame: without the job's context nothing decides
+    assert classify(1, error, error["traceback"]).kind == Kind.UNKNOWN
+    d = classify(1, error, error["traceback"], job=JobContext.from_spec(spec))
+    assert (d.kind, d.layer) == (Kind.USER_ERROR, "exception")
+    assert d.matched == "TypeError calling the job's factory build_model()"
+    # an error raised in the job's own file is the job's
+    error = _raised_in_worker(worker._call_factory, spec, "data")
+    d = classify(1, error, "", job=JobContext.from_spec(spec))
+    assert (d.kind, d.layer) == (Kind.USER_ERROR, "exception")
+    assert "evjob_factory.py:5 in load_data" in d.matched
+
+
+def test_an_import_error_of_the_jobs_module_is_the_jobs_and_of_tensorflow_the_runtimes():
+    import importlib
+
+    error = _raised_in_worker(importlib.import_module, "evjob_missing_module")
+    assert classify(1, error, "").kind == Kind.UNKNOWN  # raised in importlib, not the job
+    job = JobContext("/content/job", frozenset({"evjob_missing_module"}), frozenset())
+    assert classify(1, error, "", job=job).kind == Kind.USER_ERROR
+    tf = dict(error, message="No module named 'tensorflow.python.tpu'",
+              traceback=error["traceback"].replace("evjob_missing_module",
+                                                   "tensorflow.python.tpu"))
+    assert classify(1, tf, "", job=job).kind == Kind.ACCELERATOR_CONTEXT
+
+
+def test_the_job_context_comes_from_the_spec(tmp_path, write_job):
+    job = JobContext.from_spec(_job_spec(tmp_path, write_job, "evjob_ctx"))
+    assert job.dir == str(tmp_path) and {"evjob_ctx"} <= job.modules
+    assert job.functions == {"build_model", "load_data"}
+    assert job.owns(str(tmp_path / "helpers.py")) and job.owns("/elsewhere/evjob_ctx.py")
+    for lib in ("/usr/local/lib/python3.11/dist-packages/keras/src/x.py",
+                "/usr/lib/python3.11/importlib/__init__.py", "<frozen importlib._bootstrap>",
+                "/content/orchestrator/orchestrator/train/worker.py", "h5py/_objects.pyx"):
+        assert not job.owns(lib), lib
+
+
+def _diagnose_cli(args, stdin=None):
+    p = subprocess.run([sys.executable, "-m", "orchestrator", "diagnose", *args], input=stdin,
+                       capture_output=True, text=True, cwd=ROOT)
+    return p.returncode, p.stdout, p.stderr
+
+
+def test_diagnose_names_the_deciding_layer_and_what_it_matched():
+    t = next(t for t in TEXTS if t["id"] == "cpu_h5py_checkpoint_enospc")
+    rc, out, err = _diagnose_cli(["-"], stdin=t["text"])
+    assert rc == 0, err
+    got = json.loads(out)
+    assert (got["kind"], got["action"], got["layer"]) == ("storage", "restart", "errno")
+    assert got["matched"] == "errno ENOSPC (28): No space left on device"
+    assert got["signature"] is None and got["conflict"] is False
+
+
+def test_diagnose_ranks_conflicting_evidence_the_deciding_layer_first():
+    t = next(t for t in TEXTS if t["id"] == "gcs_gfile_unavailable_host")
+    got = diagnose(t["text"])
+    assert got["conflict"] is True
+    ranked = [(c["rank"], c["layer"], c["kind"]) for c in got["candidates"]]
+    assert ranked == [(1, "signatures", "storage"), (2, "grpc", "accelerator_unavailable")]
+    assert (got["kind"], got["layer"], got["signature"]) == ("storage", "signatures",
+                                                             "gcs_request_failed")
+    # the ranking follows the layer order, not the order of the text
+    assert [c["layer"] for c in diagnose(t["text"], layers=LAYERS[::-1])["candidates"]] == \
+        ["grpc", "signatures"]
