@@ -220,12 +220,13 @@ def test_user_error_stops_at_once_with_a_final_report(fake_job):
 def test_a_factory_typeerror_is_the_jobs_and_stops_at_once(fake_job, tmp_path):
     """The supervisor tells classify which factories are the job's: a TypeError raised where
     the worker calls ``nowhere:build`` with arguments it does not take is ``user_error``."""
-    from orchestrator.train import worker
+    from orchestrator.train import jobcode
 
     (tmp_path / "nowhere.py").write_text("def build(width=8):\n    return width\n")
     job = fake_job(epochs=2, restarts=FAST)
     try:
-        worker._call_factory(load(job), "model", widht=3)
+        spec = load(job)
+        jobcode.resolve(spec, spec.model, "model").func(widht=3)
     except TypeError as exc:  # a real record of a real call, as the worker writes it
         tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__.tb_next))
         error = {"type": "TypeError", "qualified_type": "builtins.TypeError",
