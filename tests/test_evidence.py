@@ -164,25 +164,28 @@ def _raised_in_worker(call, *args) -> dict:
     raise AssertionError("nothing raised")
 
 
-def _call_factory_raw(spec, key, **extra):
-    """The job's factory called with its args as a library would, not through jobcode's
-    wrapper (which names the key itself): the classifier must still name the job's."""
+def _call_factory_raw(spec, key):
+    """The job's factory bound to its args, called from C (functools.partial) as a library
+    would call it, not through jobcode's wrapper (which names the key itself): no Python frame
+    but the job's own says where it was raised."""
+    import functools
+
     from orchestrator.train import jobcode
 
     f = jobcode.resolve(spec, getattr(spec, key), key)
-    return f.func(**f.args, **extra)
+    return functools.partial(f.func, **f.args)
 
 
 def test_a_factory_typeerror_is_the_jobs_when_the_job_says_which_factories_are_its(
         tmp_path, write_job):
     spec = _job_spec(tmp_path, write_job, "evjob_factory")
-    error = _raised_in_worker(_call_factory_raw, spec, "model")
+    error = _raised_in_worker(_call_factory_raw(spec, "model"))
     assert "build_model() got an unexpected keyword argument 'widht'" in error["message"]
     d = classify(1, error, error["traceback"], job=JobContext.from_spec(spec))
     assert (d.kind, d.layer) == (Kind.USER_ERROR, "exception")
     assert d.matched == "TypeError calling the job's factory build_model()"
     # an error raised in the job's own file is the job's
-    error = _raised_in_worker(_call_factory_raw, spec, "data")
+    error = _raised_in_worker(_call_factory_raw(spec, "data"))
     d = classify(1, error, "", job=JobContext.from_spec(spec))
     assert (d.kind, d.layer) == (Kind.USER_ERROR, "exception")
     assert "evjob_factory.py:5 in load_data" in d.matched
