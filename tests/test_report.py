@@ -35,6 +35,8 @@ def test_report_of_a_finished_run(finished_run, tmp_path, capsys):
     assert "Run fake: <span class=\"state\">COMPLETED</span>" in page
     assert "<td>killed</td><td>killed by SIGKILL</td><td>restart in 0 s</td>" in page
     assert "restarts</td><td>1 (killed: 1)" in page
+    assert ("budgets</td><td>errors 0 of 2 since the last checkpoint; preemptions 1 (no limit)"
+            in page)  # preemptions apart from the job's own failures
 
 
 def test_report_of_a_failed_run(failed_run):

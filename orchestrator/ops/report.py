@@ -18,7 +18,7 @@ import time
 
 from orchestrator.ops import timeline
 from orchestrator.core.formatting import fmt_duration, fmt_metrics
-from orchestrator.ops.status import run_status, load_run
+from orchestrator.ops.status import format_budgets, load_run, run_status
 from orchestrator.core.kinds import Kind
 
 # Fixed colours, so a reader (and the rendering test) can tell the series apart.
@@ -239,6 +239,7 @@ def render_html(s: dict, tl: timeline.Timeline, images: dict, now: float) -> str
         ("restarts", f"{s['restarts']} " + (
             "(" + ", ".join(f"{k}: {n}" for k, n in s["restarts_by_kind"].items()) + ")"
             if s["restarts_by_kind"] else "")),
+        ("budgets", format_budgets(s["budgets"]) if s["budgets"] else "-"),
         ("goodput", "-" if s["goodput"] is None else
          f"{s['goodput']:.1%} (useful {fmt_duration(s['useful_s'])} of "
          f"{fmt_duration(s['wall_s'])} supervised)"),

@@ -105,6 +105,13 @@ def run_status(run_dir: str, now: float | None = None) -> dict:
     }
 
 
+def format_budgets(b: dict) -> str:
+    """Preemptions apart from the job's own failures (status and the report)."""
+    cap = b["preemptions_max"]
+    return (f"errors {b['errors']} of {b['errors_max']} since the last checkpoint; "
+            f"preemptions {b['preemptions']} " + (f"of {cap}" if cap is not None else "(no limit)"))
+
+
 def _budgets(events: list[dict]) -> dict | None:
     """The recovery policy's two counters as last journaled (restart, run_failed); a checkpoint
     committed since then resets the error count, as it does in the policy."""
@@ -173,12 +180,8 @@ def format_status(s: dict, now: float | None = None) -> str:
     kinds = ", ".join(f"{k} {n}" for k, n in s["restarts_by_kind"].items())
     lines.append(f"  restarts: {s['restarts']}" + (f" ({kinds})" if kinds else "") +
                  f"; failed attempts: {s['failed_attempts']}")
-    b = s["budgets"]
-    if b:
-        cap = b["preemptions_max"]
-        lines.append(f"  budgets: errors {b['errors']} of {b['errors_max']} since the last "
-                     f"checkpoint; preemptions {b['preemptions']} "
-                     + (f"of {cap}" if cap is not None else "(no limit)"))
+    if s["budgets"]:
+        lines.append(f"  budgets: {format_budgets(s['budgets'])}")
     if s["goodput"] is not None:
         lost = ", ".join(f"{k} {fmt_duration(v)}" for k, v in s["time_by_cause_s"].items())
         lines.append(f"  goodput: {s['goodput']:.1%} (useful {fmt_duration(s['useful_s'])} of "
