@@ -153,3 +153,51 @@ def test_sigterm_mid_epoch_saves_that_step_and_the_run_resumes_there_bit_identic
     assert _ev(events, "worker_ready")[-1]["resumed_from_step"] == saved
     done = _ev(events, "run_completed")[-1]
     assert done["weights_sha256"] == ref_done["weights_sha256"]
+
+
+MEMORY_HOG = '''
+import os
+
+import keras
+import numpy as np
+
+
+class Hog(keras.callbacks.Callback):
+    """Once per run, at batch 5: grows past the memory cgroup's limit."""
+
+    def on_train_batch_end(self, batch, logs=None):
+        marker = os.path.join(os.path.dirname(__file__), "hogged")
+        if batch == 5 and not os.path.exists(marker):
+            open(marker, "w").close()
+            self.held = [np.ones(1 << 24) for _ in range(64)]  # 8 GiB, page by page
+
+
+def hog():
+    return Hog()
+'''
+
+
+def test_a_real_oom_kill_of_a_tensorflow_worker_is_out_of_memory_not_a_preemption(tmp_path):
+    """`orchestrator run` in a 2 GiB memory cgroup made here (root, cgroup v1 on this machine);
+    the job's callback grows past it once, the kernel kills the worker, the supervisor reads
+    the cgroup's oom_kill counter and calls it out_of_memory."""
+    from test_oom import _memory_cgroup
+
+    cg = _memory_cgroup(2 << 30)
+    try:
+        (tmp_path / "hog_cb.py").write_text(MEMORY_HOG)
+        job = _job(tmp_path, epochs=1, extra="callbacks: [{factory: hog_cb:hog}]\n")
+        code = ("import os, sys\n"
+                "open(os.path.join(%r, 'cgroup.procs'), 'w').write(str(os.getpid()))\n"
+                "from orchestrator import cli\n"
+                "sys.exit(cli.main(['run', %r, '--run-dir', %r]))\n"
+                % (cg, job, str(tmp_path / "run")))
+        p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                           text=True, timeout=300)
+        assert p.returncode == 0, p.stdout + p.stderr
+        events = Journal(str(tmp_path / "run" / "events.jsonl")).events()
+        first = _ev(events, "attempt_ended")[0]
+        assert (first["signal"], first["kind"]) == ("SIGKILL", "out_of_memory")
+        assert _ev(events, "recovery")[0]["kind"] == "out_of_memory"
+    finally:
+        os.rmdir(cg)

@@ -92,7 +92,7 @@ def test_oom_evidence_makes_a_sigkill_out_of_memory_not_a_preemption():
     assert d.kind == "out_of_memory" and "OOM killer" in d.evidence
 
 
-def _memory_cgroup():
+def _memory_cgroup(limit=160 << 20):
     """A fresh memory cgroup (v1 here; v2 elsewhere) this process may write, or skip."""
     for base, limit_file in (("/sys/fs/cgroup/memory", "memory.limit_in_bytes"),
                              ("/sys/fs/cgroup", "memory.max")):
@@ -103,7 +103,7 @@ def _memory_cgroup():
         try:
             os.mkdir(d)
             with open(os.path.join(d, limit_file), "w") as f:
-                f.write(str(160 << 20))
+                f.write(str(limit))
             return d
         except OSError:
             continue
