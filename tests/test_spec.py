@@ -229,3 +229,31 @@ def test_checkpoint_key_errors(write_job, tmp_path, old, new, key, expected):
         load(path, run_dir=str(tmp_path / "r"))
     assert f"key '{key}'" in str(e.value) and expected in str(e.value), str(e.value)
     assert str(e.value).startswith(f"{path}:")
+
+
+def test_every_mistake_of_a_job_file_is_reported_at_once(write_job, capsys):
+    path = write_job("""\
+        name: j
+        model: m:build
+        data: m:data
+        epochs: -2
+        batch_size: 32
+        strategy: quantum
+        restarts: {max: lots}
+        hang_timout: 30
+        """)
+    with pytest.raises(SpecError) as e:
+        load(path)
+    lines = str(e.value).splitlines()
+    assert lines[0] == f"4 problems in {path}:"
+    assert lines[1:] == [
+        f"{path}:4: key 'epochs': expected an integer >= 1, got -2",
+        f"{path}:6: key 'strategy': expected one of auto, tpu, gpu, cpu, got 'quantum'",
+        f"{path}:7: key 'restarts.max': expected an integer >= 0, got 'lots'",
+        f"{path}:8: key 'hang_timout': unknown key; expected one of: " + ", ".join(
+            sorted(spec_mod.TOP_KEYS)),
+    ]  # in the file's order
+    assert (e.value.line, e.value.key) == (4, "epochs") and len(e.value.errors) == 4
+    assert cli_main(["run", path]) == 2
+    err = capsys.readouterr().err
+    assert "4 problems" in err and "key 'restarts.max'" in err and "key 'hang_timout'" in err

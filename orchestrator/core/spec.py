@@ -31,6 +31,21 @@ class SpecError(Exception):
         where = f"{path}:{line}" if line else path
         what = f"key '{key}': " if key else ""
         super().__init__(f"{where}: {what}{expected}")
+        self.errors = [self]
+
+    @classmethod
+    def combined(cls, errors: list["SpecError"]) -> "SpecError":
+        """Every mistake of one job file in one error (one line each); the first one's
+        file, line and key stay on it."""
+        if len(errors) == 1:
+            return errors[0]
+        errors = sorted(errors, key=lambda x: x.line or 0)  # in the file's order
+        first = errors[0]
+        e = cls(first.path, first.line, first.key, first.expected)
+        Exception.__init__(e, f"{len(errors)} problems in {first.path}:\n"
+                           + "\n".join(str(x) for x in errors))
+        e.errors = list(errors)
+        return e
 
 
 @dataclass(frozen=True)
@@ -218,16 +233,29 @@ def _compose(text: str, path: str) -> tuple[Any, dict]:
 
 
 class _Reader:
-    """Reads typed values out of a mapping, raising SpecError with file, line and key."""
+    """Reads typed values out of a mapping, with file, line and key in every error.
+
+    A value of the wrong type or out of bounds, and an unknown key, are noted and reading goes
+    on (the field takes its default), so that ``load`` reports every such mistake of a job
+    file at once; a structural one (not a mapping, a required key missing) stops at once."""
 
     def __init__(self, path: str, lines: dict):
         self.path, self.lines = path, lines
+        self.errors: list[SpecError] = []
 
-    def fail(self, key: str, expected: str):
+    def error(self, key: str, expected: str) -> SpecError:
         line = self.lines.get(key)
         if line is None and "." in key:
             line = self.lines.get(key.rsplit(".", 1)[0])
-        raise SpecError(self.path, line, key, expected)
+        return SpecError(self.path, line, key, expected)
+
+    def fail(self, key: str, expected: str):
+        raise self.error(key, expected)
+
+    def note(self, key: str, expected: str, default=None):
+        """A mistake that does not stop the reading: noted, and ``default`` taken instead."""
+        self.errors.append(self.error(key, expected))
+        return default
 
     def mapping(self, data, prefix: str, allowed: set, required: set = frozenset()) -> dict:
         if not isinstance(data, dict):
@@ -235,7 +263,7 @@ class _Reader:
         for k in data:
             if str(k) not in allowed:
                 key = f"{prefix}.{k}" if prefix else str(k)
-                self.fail(key, f"unknown key; expected one of: {', '.join(sorted(allowed))}")
+                self.note(key, f"unknown key; expected one of: {', '.join(sorted(allowed))}")
         for k in sorted(required):
             if k not in data:
                 key = f"{prefix}.{k}" if prefix else k
@@ -248,7 +276,7 @@ class _Reader:
         v = data[key]
         if isinstance(v, bool) or not isinstance(v, int) or (minimum is not None and v < minimum):
             bound = f" >= {minimum}" if minimum is not None else ""
-            self.fail(full, f"expected an integer{bound}, got {v!r}")
+            return self.note(full, f"expected an integer{bound}, got {v!r}", default)
         return v
 
     def number(self, data, key, full, default=None, minimum=None):
@@ -259,7 +287,7 @@ class _Reader:
             minimum is not None and v < minimum
         ):
             bound = f" >= {minimum}" if minimum is not None else ""
-            self.fail(full, f"expected a number{bound}, got {v!r}")
+            return self.note(full, f"expected a number{bound}, got {v!r}", default)
         return float(v)
 
     def strings(self, data, key, full, default=()):
@@ -267,7 +295,7 @@ class _Reader:
             return default
         v = data[key]
         if not isinstance(v, list) or not all(isinstance(x, str) and x for x in v):
-            self.fail(full, f"expected a list of strings, got {v!r}")
+            return self.note(full, f"expected a list of strings, got {v!r}", default)
         return tuple(v)
 
     def string(self, data, key, full, default=None, choices=None):
@@ -275,16 +303,16 @@ class _Reader:
             return default
         v = data[key]
         if not isinstance(v, str) or not v.strip():
-            self.fail(full, f"expected a non-empty string, got {v!r}")
+            return self.note(full, f"expected a non-empty string, got {v!r}", default)
         if choices and v not in choices:
-            self.fail(full, f"expected one of {', '.join(choices)}, got {v!r}")
+            return self.note(full, f"expected one of {', '.join(choices)}, got {v!r}", default)
         return v
 
     def boolean(self, data, key, full, default=False):
         if key not in data:
             return default
         if not isinstance(data[key], bool):
-            self.fail(full, f"expected true or false, got {data[key]!r}")
+            return self.note(full, f"expected true or false, got {data[key]!r}", default)
         return data[key]
 
     def factory(self, data, key) -> Factory:
@@ -459,6 +487,20 @@ def load(path: str, run_dir: str | None = None) -> JobSpec:
     if data is None:
         raise SpecError(path, None, None, "the job file is empty; expected a mapping with "
                         "name, model, data, epochs and batch_size")
+    try:
+        spec = _read(r, data, path, run_dir)
+    except SpecError as exc:
+        raise SpecError.combined(r.errors + [exc]) from None
+    except (TypeError, AttributeError, KeyError, ValueError):
+        if not r.errors:
+            raise
+        raise SpecError.combined(r.errors) from None  # a consequence of a mistake noted
+    if r.errors:
+        raise SpecError.combined(r.errors)
+    return spec
+
+
+def _read(r: _Reader, data: dict, path: str, run_dir: str | None) -> JobSpec:
     r.mapping(data, "", TOP_KEYS, {"name", "model", "data", "epochs", "batch_size"})
 
     name = r.string(data, "name", "name")
