@@ -109,7 +109,9 @@ def test_training_hash_ignores_epochs_but_not_model(write_job):
 
 
 def test_spec_module_never_uses_unsafe_yaml_load():
-    src = open(spec_mod.__file__).read()
+    from orchestrator.core import specload
+
+    src = open(spec_mod.__file__).read() + open(specload.__file__).read()
     assert "yaml.load(" not in src and "SafeLoader" in src
 
 
@@ -232,6 +234,8 @@ def test_checkpoint_key_errors(write_job, tmp_path, old, new, key, expected):
 
 
 def test_every_mistake_of_a_job_file_is_reported_at_once(write_job, capsys):
+    from orchestrator.core import specload
+
     path = write_job("""\
         name: j
         model: m:build
@@ -251,9 +255,31 @@ def test_every_mistake_of_a_job_file_is_reported_at_once(write_job, capsys):
         f"{path}:6: key 'strategy': expected one of auto, tpu, gpu, cpu, got 'quantum'",
         f"{path}:7: key 'restarts.max': expected an integer >= 0, got 'lots'",
         f"{path}:8: key 'hang_timout': unknown key; expected one of: " + ", ".join(
-            sorted(spec_mod.TOP_KEYS)),
+            sorted(specload.TOP_KEYS)),
     ]  # in the file's order
     assert (e.value.line, e.value.key) == (4, "epochs") and len(e.value.errors) == 4
     assert cli_main(["run", path]) == 2
     err = capsys.readouterr().err
     assert "4 problems" in err and "key 'restarts.max'" in err and "key 'hang_timout'" in err
+
+
+def test_a_field_missing_from_the_job_file_takes_its_dataclass_default(write_job):
+    import dataclasses
+
+    from orchestrator.core.spec import CheckpointSpec, JobSpec, RecoverySpec, RestartSpec
+
+    spec = load(write_job("""\
+        name: j
+        model: m:build
+        data: m:data
+        epochs: 1
+        batch_size: 8
+        restarts: {}
+        recovery: {}
+        checkpoint: {}
+        """))
+    assert spec.restarts == RestartSpec() and spec.recovery == RecoverySpec()
+    assert dataclasses.replace(spec.checkpoint, local_dir="") == CheckpointSpec()
+    for f in dataclasses.fields(JobSpec):
+        if f.default is not dataclasses.MISSING and f.name not in ("run_dir", "job_path", "checkpoint"):
+            assert getattr(spec, f.name) == f.default, f.name

@@ -1,0 +1,446 @@
+"""Loading a job file: YAML with line numbers into the dataclasses of ``spec.py``.
+
+Every error names the file, the line, the key and what was expected, and every such mistake of
+a file is reported at once. Each field's default is read from its dataclass field, never
+written here again. Only ``yaml.SafeLoader`` is used: a job file must never be able to run code
+by being parsed. (Past 400 lines: one reader per section of the job file; they share the
+reader and the key sets, and one file format is best read in one place.)
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from typing import Any
+
+import yaml
+
+from orchestrator.core.kinds import ACTIONS, KINDS
+from orchestrator.core.spec import (_FACTORY_RE, BUILTIN_CALLBACKS, SCHEDULES, STANDBY_MODES,
+                                    STRATEGIES, CallbackSpec, CheckpointSpec, CompileSpec,
+                                    CrashLoopSpec, Factory, JobSpec, LearningRateSpec,
+                                    RecoverySpec, RestartSpec, Rung, SpecError)
+
+# --------------------------------------------------------------------------------------------
+# YAML with line numbers
+
+
+def _compose(text: str, path: str) -> tuple[Any, dict]:
+    """Parse YAML safely; return the data and a map from key path to line (1-based)."""
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None, {}
+        data = loader.construct_document(node)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = mark.line + 1 if mark else None
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise SpecError(path, line, None, f"invalid YAML: {problem}") from None
+    finally:
+        loader.dispose()
+    lines: dict = {}
+
+    def walk(n, prefix):
+        if isinstance(n, yaml.MappingNode):
+            for k, v in n.value:
+                key = f"{prefix}.{k.value}" if prefix else str(k.value)
+                lines[key] = k.start_mark.line + 1
+                walk(v, key)
+
+    walk(node, "")
+    return data, lines
+
+
+class _Reader:
+    """Reads typed values out of a mapping, with file, line and key in every error.
+
+    A value of the wrong type or out of bounds, and an unknown key, are noted and reading goes
+    on (the field takes its default), so that ``load`` reports every such mistake of a job
+    file at once; a structural one (not a mapping, a required key missing) stops at once."""
+
+    def __init__(self, path: str, lines: dict):
+        self.path, self.lines = path, lines
+        self.errors: list[SpecError] = []
+
+    def error(self, key: str, expected: str) -> SpecError:
+        line = self.lines.get(key)
+        if line is None and "." in key:
+            line = self.lines.get(key.rsplit(".", 1)[0])
+        return SpecError(self.path, line, key, expected)
+
+    def fail(self, key: str, expected: str):
+        raise self.error(key, expected)
+
+    def note(self, key: str, expected: str, default=None):
+        """A mistake that does not stop the reading: noted, and ``default`` taken instead."""
+        self.errors.append(self.error(key, expected))
+        return default
+
+    def mapping(self, data, prefix: str, allowed: set, required: set = frozenset()) -> dict:
+        if not isinstance(data, dict):
+            self.fail(prefix or "(top level)", f"expected a mapping, got {type(data).__name__}")
+        for k in data:
+            if str(k) not in allowed:
+                key = f"{prefix}.{k}" if prefix else str(k)
+                self.note(key, f"unknown key; expected one of: {', '.join(sorted(allowed))}")
+        for k in sorted(required):
+            if k not in data:
+                key = f"{prefix}.{k}" if prefix else k
+                raise SpecError(self.path, self.lines.get(prefix), key, "required key is missing")
+        return data
+
+    def integer(self, data, key, full, default=None, minimum=None):
+        if key not in data:
+            return default
+        v = data[key]
+        if isinstance(v, bool) or not isinstance(v, int) or (minimum is not None and v < minimum):
+            bound = f" >= {minimum}" if minimum is not None else ""
+            return self.note(full, f"expected an integer{bound}, got {v!r}", default)
+        return v
+
+    def number(self, data, key, full, default=None, minimum=None):
+        if key not in data:
+            return default
+        v = data[key]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or (
+            minimum is not None and v < minimum
+        ):
+            bound = f" >= {minimum}" if minimum is not None else ""
+            return self.note(full, f"expected a number{bound}, got {v!r}", default)
+        return float(v)
+
+    def strings(self, data, key, full, default=()):
+        if key not in data:
+            return default
+        v = data[key]
+        if not isinstance(v, list) or not all(isinstance(x, str) and x for x in v):
+            return self.note(full, f"expected a list of strings, got {v!r}", default)
+        return tuple(v)
+
+    def string(self, data, key, full, default=None, choices=None):
+        if key not in data:
+            return default
+        v = data[key]
+        if not isinstance(v, str) or not v.strip():
+            return self.note(full, f"expected a non-empty string, got {v!r}", default)
+        if choices and v not in choices:
+            return self.note(full, f"expected one of {', '.join(choices)}, got {v!r}", default)
+        return v
+
+    def boolean(self, data, key, full, default=False):
+        if key not in data:
+            return default
+        if not isinstance(data[key], bool):
+            return self.note(full, f"expected true or false, got {data[key]!r}", default)
+        return data[key]
+
+    def factory(self, data, key) -> Factory:
+        return self.factory_value(data[key], key)
+
+    def factory_value(self, v, key) -> Factory:
+        args: dict = {}
+        target = v
+        if isinstance(v, dict):
+            self.mapping(v, key, {"factory", "args"}, {"factory"})
+            target = v["factory"]
+            args = v.get("args") or {}
+            if not isinstance(args, dict):
+                self.fail(f"{key}.args", f"expected a mapping of keyword arguments, got {args!r}")
+            key = f"{key}.factory"
+        if not isinstance(target, str) or not _FACTORY_RE.match(target):
+            self.fail(key, f"expected 'module:function' (e.g. my_job:build_model), got {target!r}")
+        return Factory(target, dict(args))
+
+
+# Each default is declared once, on its dataclass field; the loader reads it from there.
+_RS, _CK, _RC, _CL = RestartSpec(), CheckpointSpec(), RecoverySpec(), CrashLoopSpec()
+_JOB = {f.name: f.default for f in dataclasses.fields(JobSpec)
+        if f.default is not dataclasses.MISSING}
+
+TOP_KEYS = {
+    "name", "model", "data", "compile", "epochs", "batch_size", "strategy", "run_dir", "seed",
+    "checkpoint", "restarts", "heartbeat_interval", "deterministic", "learning_rate", "callbacks",
+    "hang_timeout", "startup_timeout", "stop_grace", "probe_interval", "recovery",
+    "preempt_grace", "standby",
+}
+RECOVERY_KEYS = {
+    "ladders", "reinstall_tensorflow", "reinstall_max", "pip", "pip_args",
+    "tensorflow_distributions", "verify_import", "halve_batch", "min_batch_size",
+    "strategy_fallback", "wait", "crash_loop",
+}
+
+
+def _ladder(r: _Reader, value, key: str) -> tuple:
+    """``[restart, {reinit_accelerator: 2}, {restart: budget}]`` -> Rungs."""
+    if not isinstance(value, list):
+        r.fail(key, f"expected a list of actions (e.g. [restart, {{halve_batch: 2}}]), "
+               f"got {value!r}")
+    rungs = []
+    for item in value:
+        action, times = (item, 1) if isinstance(item, str) else (
+            next(iter(item.items())) if isinstance(item, dict) and len(item) == 1 else (None, 0))
+        if action not in ACTIONS:
+            r.fail(key, f"expected actions from {', '.join(ACTIONS)}, got {item!r}")
+        if times == "budget":
+            times = None
+        elif isinstance(times, bool) or not isinstance(times, int) or times < 1:
+            r.fail(key, f"{action}: expected a count >= 1 or 'budget', got {times!r}")
+        rungs.append(Rung(action, times))
+    return tuple(rungs)
+
+
+def _recovery(r: _Reader, data) -> RecoverySpec:
+    c = r.mapping(data, "recovery", RECOVERY_KEYS)
+    ladders = ()
+    if "ladders" in c:
+        lad = r.mapping(c["ladders"], "recovery.ladders", set(KINDS))
+        ladders = tuple((k, _ladder(r, v, f"recovery.ladders.{k}")) for k, v in lad.items())
+    w = r.mapping(c.get("wait", {}), "recovery.wait", {"initial", "max", "timeout"})
+    cl = r.mapping(c.get("crash_loop", {}), "recovery.crash_loop",
+                   {"same_failure", "failures", "window_minutes"})
+    d = RecoverySpec()
+    return RecoverySpec(
+        ladders=ladders,
+        reinstall_tensorflow=r.boolean(c, "reinstall_tensorflow", "recovery.reinstall_tensorflow"),
+        reinstall_max=r.integer(c, "reinstall_max", "recovery.reinstall_max", _RC.reinstall_max, 0),
+        pip=r.strings(c, "pip", "recovery.pip"),
+        pip_args=r.strings(c, "pip_args", "recovery.pip_args"),
+        tensorflow_distributions=r.strings(c, "tensorflow_distributions",
+                                           "recovery.tensorflow_distributions",
+                                           d.tensorflow_distributions),
+        verify_import=r.string(c, "verify_import", "recovery.verify_import", d.verify_import),
+        halve_batch=r.boolean(c, "halve_batch", "recovery.halve_batch"),
+        min_batch_size=r.integer(c, "min_batch_size", "recovery.min_batch_size", _RC.min_batch_size, 1),
+        strategy_fallback=r.boolean(c, "strategy_fallback", "recovery.strategy_fallback"),
+        wait_initial=r.number(w, "initial", "recovery.wait.initial", d.wait_initial, 0),
+        wait_max=r.number(w, "max", "recovery.wait.max", d.wait_max, 0),
+        wait_timeout=r.number(w, "timeout", "recovery.wait.timeout", d.wait_timeout, 0),
+        crash_loop=CrashLoopSpec(
+            same_failure=r.integer(cl, "same_failure", "recovery.crash_loop.same_failure",
+                                  _CL.same_failure, 2),
+            failures=r.integer(cl, "failures", "recovery.crash_loop.failures", _CL.failures, 2),
+            window_minutes=r.number(cl, "window_minutes", "recovery.crash_loop.window_minutes",
+                                    _CL.window_minutes, 0)),
+    )
+
+_SCHEDULE_KEYS = {
+    "step_decay": {"initial", "factor", "every"},
+    "cosine": {"initial", "minimum", "decay_epochs", "warmup_epochs"},
+    "piecewise": {"boundaries", "values"},
+}
+
+
+def _learning_rate(r: _Reader, v) -> LearningRateSpec:
+    """``learning_rate: module:function``, ``{factory, args}`` or ``{schedule: NAME, ...}``."""
+    key = "learning_rate"
+    if isinstance(v, str) or (isinstance(v, dict) and "factory" in v):
+        return LearningRateSpec(schedule="function", function=r.factory_value(v, key))
+    if not isinstance(v, dict) or "schedule" not in v:
+        r.fail(key, f"expected a schedule mapping {{schedule: {'|'.join(SCHEDULES)}, ...}} or "
+               f"'module:function' taking (epoch, lr), got {v!r}")
+    name = r.string(v, "schedule", f"{key}.schedule", choices=SCHEDULES)
+    r.mapping(v, key, _SCHEDULE_KEYS[name] | {"schedule"})
+    p: dict = {}
+    if name == "piecewise":
+        for k in ("boundaries", "values"):
+            if k not in v:
+                raise SpecError(r.path, r.lines.get(key), f"{key}.{k}", "required key is missing")
+        b, vals = v["boundaries"], v["values"]
+        if (not isinstance(b, list) or not all(isinstance(x, int) and not isinstance(x, bool)
+                                               and x > 0 for x in b) or b != sorted(set(b))):
+            r.fail(f"{key}.boundaries", f"expected a rising list of epoch numbers > 0, got {b!r}")
+        if (not isinstance(vals, list) or len(vals) != len(b) + 1 or not all(
+                isinstance(x, (int, float)) and not isinstance(x, bool) and x >= 0 for x in vals)):
+            r.fail(f"{key}.values", f"expected {len(b) + 1} learning rates >= 0 (one more than "
+                   f"the boundaries), got {vals!r}")
+        p = {"boundaries": list(b), "values": [float(x) for x in vals]}
+    else:
+        if "initial" in v:
+            p["initial"] = r.number(v, "initial", f"{key}.initial", minimum=0)
+        if name == "step_decay":
+            p["factor"] = r.number(v, "factor", f"{key}.factor", 0.1, 0)
+            p["every"] = r.integer(v, "every", f"{key}.every", 1, 1)
+        else:
+            p["minimum"] = r.number(v, "minimum", f"{key}.minimum", 0.0, 0)
+            p["warmup_epochs"] = r.integer(v, "warmup_epochs", f"{key}.warmup_epochs", 0, 0)
+            if "decay_epochs" in v:
+                p["decay_epochs"] = r.integer(v, "decay_epochs", f"{key}.decay_epochs", None, 1)
+    return LearningRateSpec(schedule=name, params=p)
+
+
+def _callbacks(r: _Reader, v) -> tuple:
+    """A list of ``NAME: {args}`` built-ins, ``module:function`` or ``{factory, args}``."""
+    if not isinstance(v, list):
+        r.fail("callbacks", f"expected a list, e.g. [{{early_stopping: {{patience: 3}}}}, "
+               f"my_module:make_callback], got {v!r}")
+    out = []
+    for i, item in enumerate(v):
+        key = f"callbacks[{i}]"
+        if isinstance(item, str) or (isinstance(item, dict) and "factory" in item):
+            if isinstance(item, str) and item in BUILTIN_CALLBACKS:
+                out.append(CallbackSpec(name=item))
+                continue
+            try:
+                out.append(CallbackSpec(factory=r.factory_value(item, "callbacks")))
+            except SpecError as exc:
+                raise SpecError(r.path, exc.line, key, exc.expected) from None
+            continue
+        if (not isinstance(item, dict) or len(item) != 1
+                or next(iter(item)) not in BUILTIN_CALLBACKS):
+            r.fail("callbacks", f"{key}: expected one of {', '.join(BUILTIN_CALLBACKS)} "
+                   f"(as NAME: {{args}}), 'module:function' or {{factory, args}}; got {item!r}")
+        name, args = next(iter(item.items()))
+        if args is not None and not isinstance(args, dict):
+            r.fail("callbacks", f"{key}: {name}: expected a mapping of keyword arguments, "
+                   f"got {args!r}")
+        out.append(CallbackSpec(name=name, args=dict(args or {})))
+    return tuple(out)
+
+
+def load(path: str, run_dir: str | None = None) -> JobSpec:
+    """Read and validate a job file. ``run_dir`` overrides the file's ``run_dir``."""
+    path = os.fspath(path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as exc:
+        raise SpecError(path, None, None, f"cannot read the job file: {exc.strerror}") from None
+    data, lines = _compose(text, path)
+    r = _Reader(path, lines)
+    if data is None:
+        raise SpecError(path, None, None, "the job file is empty; expected a mapping with "
+                        "name, model, data, epochs and batch_size")
+    try:
+        spec = _read(r, data, path, run_dir)
+    except SpecError as exc:
+        raise SpecError.combined(r.errors + [exc]) from None
+    except (TypeError, AttributeError, KeyError, ValueError):
+        if not r.errors:
+            raise
+        raise SpecError.combined(r.errors) from None  # a consequence of a mistake noted
+    if r.errors:
+        raise SpecError.combined(r.errors)
+    return spec
+
+
+def _read(r: _Reader, data: dict, path: str, run_dir: str | None) -> JobSpec:
+    r.mapping(data, "", TOP_KEYS, {"name", "model", "data", "epochs", "batch_size"})
+
+    name = r.string(data, "name", "name")
+    if not re.match(r"^[\w.-]+$", name):
+        r.fail("name", f"expected letters, digits, '.', '_' or '-' only, got {name!r}")
+
+    compile_spec = None
+    if "compile" in data:
+        c = r.mapping(data["compile"], "compile", {"optimizer", "loss", "metrics"}, {"loss"})
+        opt = c.get("optimizer", "adam")
+        if not isinstance(opt, (str, dict)):
+            r.fail("compile.optimizer", f"expected a name like 'adam' or a mapping "
+                   f"{{class_name: ..., config: ...}}, got {opt!r}")
+        if not isinstance(c["loss"], (str, dict)):
+            r.fail("compile.loss", f"expected a loss name like 'sparse_categorical_crossentropy', "
+                   f"got {c['loss']!r}")
+        metrics = c.get("metrics", [])
+        if not isinstance(metrics, list) or not all(isinstance(m, str) for m in metrics):
+            r.fail("compile.metrics", f"expected a list of metric names, got {metrics!r}")
+        compile_spec = CompileSpec(opt, c["loss"], tuple(metrics))
+
+    job_dir = os.path.dirname(os.path.abspath(path))
+    rd = run_dir if run_dir is not None else r.string(data, "run_dir", "run_dir",
+                                                      os.path.join("runs", name))
+    rd = os.path.abspath(os.path.expanduser(rd))
+    ckpt = _checkpoint_spec(r, data.get("checkpoint", {}) if "checkpoint" in data else {},
+                            name, rd)
+
+    restarts = RestartSpec()
+    if "restarts" in data:
+        c = r.mapping(data["restarts"], "restarts", {"max", "preemptions", "backoff"})
+        b = {}
+        if "backoff" in c:
+            b = r.mapping(c["backoff"], "restarts.backoff", {"initial", "max", "multiplier"})
+        restarts = RestartSpec(
+            max=r.integer(c, "max", "restarts.max", _RS.max, 0),
+            preemptions=r.integer(c, "preemptions", "restarts.preemptions", _RS.preemptions, 0),
+            backoff_initial=r.number(b, "initial", "restarts.backoff.initial", _RS.backoff_initial, 0),
+            backoff_max=r.number(b, "max", "restarts.backoff.max", _RS.backoff_max, 0),
+            backoff_multiplier=r.number(b, "multiplier", "restarts.backoff.multiplier",
+                                         _RS.backoff_multiplier, 1),
+        )
+
+    return JobSpec(
+        name=name,
+        model=r.factory(data, "model"),
+        data=r.factory(data, "data"),
+        epochs=r.integer(data, "epochs", "epochs", minimum=1),
+        batch_size=r.integer(data, "batch_size", "batch_size", minimum=1),
+        strategy=r.string(data, "strategy", "strategy", _JOB["strategy"], STRATEGIES),
+        seed=r.integer(data, "seed", "seed", _JOB["seed"], 0),
+        run_dir=rd,
+        job_path=os.path.abspath(path),
+        job_dir=job_dir,
+        compile=compile_spec,
+        checkpoint=ckpt,
+        restarts=restarts,
+        heartbeat_interval=r.number(data, "heartbeat_interval", "heartbeat_interval",
+                                         _JOB["heartbeat_interval"], 0.05),
+        deterministic=r.boolean(data, "deterministic", "deterministic"),
+        learning_rate=(_learning_rate(r, data["learning_rate"]) if "learning_rate" in data
+                       else None),
+        callbacks=_callbacks(r, data["callbacks"]) if "callbacks" in data else (),
+        hang_timeout=r.number(data, "hang_timeout", "hang_timeout", _JOB["hang_timeout"], 0.1),
+        startup_timeout=r.number(data, "startup_timeout", "startup_timeout", _JOB["startup_timeout"],
+                                 0.1),
+        stop_grace=r.number(data, "stop_grace", "stop_grace", _JOB["stop_grace"], 0),
+        preempt_grace=r.number(data, "preempt_grace", "preempt_grace", _JOB["preempt_grace"], 0),
+        standby=r.string(data, "standby", "standby", _JOB["standby"], STANDBY_MODES),
+        probe_interval=r.number(data, "probe_interval", "probe_interval", _JOB["probe_interval"], 0.1),
+        recovery=_recovery(r, data["recovery"]) if "recovery" in data else RecoverySpec(),
+    )
+
+
+CHECKPOINT_KEYS = {"every_epochs", "keep", "every_steps", "every_seconds", "keep_every_epochs",
+                   "keep_best", "local_dir", "remount", "flush_timeout", "upload_backoff"}
+
+
+def _checkpoint_spec(r: _Reader, c, name: str, run_dir: str) -> CheckpointSpec:
+    from orchestrator.core.rundir import default_local_dir
+
+    r.mapping(c, "checkpoint", CHECKPOINT_KEYS)
+    best, mode = None, "min"
+    if c.get("keep_best") is not None:
+        b = r.mapping(c["keep_best"], "checkpoint.keep_best", {"metric", "mode"}, {"metric"})
+        best = r.string(b, "metric", "checkpoint.keep_best.metric")
+        mode = r.string(b, "mode", "checkpoint.keep_best.mode", _CK.keep_best_mode,
+                        ("min", "max"))
+    local = r.string(c, "local_dir", "checkpoint.local_dir", None)
+    local = (os.path.abspath(os.path.expanduser(local)) if local
+             else default_local_dir(name, run_dir))
+    if os.path.normpath(local) == os.path.normpath(os.path.join(run_dir, "checkpoints")):
+        r.fail("checkpoint.local_dir", "expected a local folder other than the run directory's "
+               "checkpoints/ (that is the durable tier)")
+    remount = r.string(c, "remount", "checkpoint.remount", None)
+    if remount is not None and remount != "colab" and not _FACTORY_RE.match(remount):
+        r.fail("checkpoint.remount", f"expected 'colab' or 'module:function', got {remount!r}")
+    b = {}
+    if "upload_backoff" in c:
+        b = r.mapping(c["upload_backoff"], "checkpoint.upload_backoff", {"initial", "max"})
+    return CheckpointSpec(
+        every_epochs=r.integer(c, "every_epochs", "checkpoint.every_epochs", _CK.every_epochs, 1),
+        keep=r.integer(c, "keep", "checkpoint.keep", _CK.keep, 1),
+        every_steps=r.integer(c, "every_steps", "checkpoint.every_steps", _CK.every_steps, 1),
+        every_seconds=r.number(c, "every_seconds", "checkpoint.every_seconds", _CK.every_seconds,
+                                   0.1),
+        keep_every_epochs=r.integer(c, "keep_every_epochs", "checkpoint.keep_every_epochs",
+                                    _CK.keep_every_epochs, 1),
+        keep_best=best,
+        keep_best_mode=mode,
+        local_dir=local,
+        remount=remount,
+        flush_timeout=r.number(c, "flush_timeout", "checkpoint.flush_timeout", _CK.flush_timeout, 0),
+        upload_backoff_initial=r.number(b, "initial", "checkpoint.upload_backoff.initial",
+                                        _CK.upload_backoff_initial, 0),
+        upload_backoff_max=r.number(b, "max", "checkpoint.upload_backoff.max",
+                                    _CK.upload_backoff_max, 0),
+    )
