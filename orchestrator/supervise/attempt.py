@@ -152,7 +152,11 @@ class Attempt:
         return oom.evidence(self._oom_before, oom.snapshot(self._cgroups), self.proc.pid, rss)
 
     def _stop_hung(self, age: float) -> int:
-        """Stack dump of every thread into the attempt log, SIGTERM, grace, SIGKILL the group."""
+        """Stack dump of every thread into the attempt log, then SIGKILL the group at once.
+
+        No SIGTERM grace: the worker answers SIGTERM at its next step boundary
+        (train/preemption.py), which a hung main thread never reaches; measured, the grace
+        added the whole ``stop_grace`` (10 s) to every hang recovery."""
         self.phase = Phase.STOPPING
         proc = self.proc
         self.journal.append(Event.HANG_DETECTED, attempt=self.n,
@@ -161,7 +165,7 @@ class Attempt:
         self.say(f"attempt {self.n}: no heartbeat for {age:.1f} s (limit {self.hang.timeout:g} s):"
                  f" dumping its stacks into {self.log} and stopping it")
         dump_stacks(proc.pid, self.log)
-        self.stop()
+        self.stop(grace=0.0)
         while True:
             item = self.events.get()
             if item[0] == "exit" and item[1] is proc:
