@@ -175,8 +175,9 @@ def markdown(results: dict) -> str:
            f"Jobs: **digits** (`jobs/digits` as committed: small CNN with BatchNormalization "
            f"and Dropout; {describe_job(results['jobs']['digits'])}) and **synthetic** "
            f"(`jobs/cifar10_resnet` ResNet-20 with `synthetic: true`, {cfg['synth_examples']} "
-           f"images; {describe_job(results['jobs']['synthetic'])}). Restarts wait 1 s "
-           f"(orchestrator backoff and the shell loop's `sleep 1`). Times are medians (min-max, "
+           f"images; {describe_job(results['jobs']['synthetic'])}). The orchestrator restarts at "
+           f"once after a first failure (its backoff grows only over failures with no new "
+           f"checkpoint); the shell loop waits `sleep 1`. Times are medians (min-max, "
            f"n) of runs interleaved A B C A B C; ratios are medians of the ratios of runs made "
            f"side by side.",
            "", "### 1. Overhead with no faults", ""]
@@ -217,7 +218,8 @@ def markdown(results: dict) -> str:
     big = s.get("largest_recovery_cost") or {}
     out += ["", "Each cell is the time from the previous measured point. Death = the SIGKILL "
             "(kill), the error record's time (raised error), the last heartbeat (hang). After a "
-            "failure, 'worker process started' includes the 1 s restart backoff; a cold start "
+            "failure, 'worker process started' includes the restart backoff (0 s for a first "
+            "failure since the last checkpoint); a cold start "
             "counts from launching the command, so there it is the supervisor's own start. "
             "The shell loop's detection and restart are not observable, so they fold into its "
             "Python column."]
