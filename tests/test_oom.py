@@ -8,7 +8,7 @@ import uuid
 
 import pytest
 
-from conftest import ROOT, fake_env, fake_job  # noqa: F401  (fixture)
+from conftest import ROOT, fake_env
 from orchestrator.core.journal import Journal
 from orchestrator.recovery import oom
 from orchestrator.recovery.failures import classify

@@ -35,7 +35,6 @@ from orchestrator.checkpoint.store import COMMIT_MARKER
 from orchestrator.core import heartbeat
 from orchestrator.core.events import Event
 from orchestrator.core.journal import Journal
-from orchestrator.core.kinds import Kind
 from orchestrator.core.lock import RunLock
 from orchestrator.core.rundir import EXIT_STOPPED, RunDir
 from orchestrator.core.spec import JobSpec
