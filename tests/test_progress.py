@@ -51,7 +51,7 @@ def test_render_bar_and_eta():
     assert render_bar(3, 10, 6, 24, 2.0) == (
         "[orchestrator] epoch 3/10 [######..................] 6/24 2.0 batch/s, epoch ETA 9.0s")
     assert render_bar(1, 2, 7, None, None) == "[orchestrator] epoch 1/2 batch 7"
-    p = Progress(io.StringIO(), "/nonexistent", epochs=10, budget=3, interactive=False)
+    p = Progress(io.StringIO(), "/nonexistent", epochs=10, interactive=False)
     assert p.eta(1) is None
     for t, e, a in ((100, 1, 1), (110, 2, 1), (130, 3, 1), (500, 4, 2)):
         p._commits.append((t, e, a))

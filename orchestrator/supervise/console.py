@@ -54,9 +54,9 @@ class _HeartbeatEvents(FileSystemEventHandler):
 
 
 class Progress:
-    def __init__(self, out, run_dir: str, epochs: int, budget: int,
+    def __init__(self, out, run_dir: str, epochs: int,
                  interactive: bool | None = None):
-        self.out, self.run_dir, self.epochs, self.budget = out, run_dir, epochs, budget
+        self.out, self.run_dir, self.epochs = out, run_dir, epochs
         self.interactive = is_interactive(out) if interactive is None else interactive
         self.attempt = 0
         self.restarts = 0
@@ -100,8 +100,9 @@ class Progress:
     def attempt_started(self, n: int, from_epoch: int) -> None:
         self.attempt = n
         self._batch_rate = None
+        # no "of N": preemptions and errors have budgets of their own, on the fault line
         self.say(f"attempt {n} started at epoch {from_epoch}/{self.epochs}"
-                 + (f" (restart {self.restarts} of {self.budget})" if self.restarts else ""))
+                 + (f" (restart {self.restarts})" if self.restarts else ""))
 
     def restarted(self, restarts: int, attempt: int, kind: str, how: str, action: str) -> None:
         self.restarts = restarts

@@ -107,7 +107,7 @@ class Supervisor:
         self._stop = threading.Event()
         self.stop_signal: int | None = None  # what stopped us: SIGINT is a cell interrupt
         self.restarts = 0
-        self.progress = Progress(self.out, self.rd.root, spec.epochs, spec.restarts.max)
+        self.progress = Progress(self.out, self.rd.root, spec.epochs)
         self.hang = HangClock(self.rd.root, spec.hang_timeout, spec.startup_timeout)
         self.remedies = Remedies(spec, self._base_env, own_pgid=self._worker_pgid,
                                  sleep=self._sleep, say=self.say)
