@@ -201,3 +201,30 @@ def test_sigterm_to_the_supervisor_is_a_preemption_notice_the_worker_saves_its_s
     assert names.index("checkpoint_committed") < names.index("supervisor_stopped")
     ended = [e for e in events if e["event"] == "attempt_ended"]
     assert ended == []  # a stop, not a failure: the next session resumes
+
+
+def test_the_run_directory_gone_for_seconds_is_reported_and_the_run_completes(fake_job,
+                                                                               tmp_path):
+    """The whole run directory renamed away with a plain file in its place for 7 s (a Drive
+    mount gone): the supervisor used to die of NotADirectoryError in the lock refresh."""
+    job = fake_job(epochs=3)
+    run, away = tmp_path / "run", tmp_path / "run-away"
+    p = supervisor_process(job, {"epoch_s": 4, "batches": 10})
+    deadline = time.time() + 30
+    while time.time() < deadline and not (heartbeat.read(str(run)) or {}).get("phase") == "training":
+        time.sleep(0.05)
+    os.rename(run, away)
+    run.write_text("not a directory: the mount is gone")
+    time.sleep(7)  # longer than the lock refresh period (5 s)
+    run.unlink()
+    os.rename(away, run)
+    out, _ = p.communicate(timeout=60)
+    assert p.returncode == 0, out
+    events = Journal(str(run / "events.jsonl")).events()
+    names = [e["event"] for e in events]
+    assert "run_dir_unreachable" in names and "run_dir_restored" in names
+    assert names.index("run_dir_unreachable") < names.index("run_dir_restored")
+    restored = next(e for e in events if e["event"] == "run_dir_restored")
+    assert restored["outage_s"] > 0
+    assert [e["epoch"] for e in events if e["event"] == "epoch_completed"] == [1, 2, 3]
+    assert names[-1] == "run_completed"

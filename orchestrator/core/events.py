@@ -11,6 +11,10 @@ from __future__ import annotations
 class Event:
     """The journal's event names (``Event.RUN_STARTED == "run_started"``)."""
 
+    #: the run directory cannot be written (a Drive mount gone); events are held meanwhile
+    RUN_DIR_UNREACHABLE = "run_dir_unreachable"
+    #: ... and can be again
+    RUN_DIR_RESTORED = "run_dir_restored"
     #: a supervisor session starts a new run
     RUN_STARTED = "run_started"
     #: a supervisor session resumes a run

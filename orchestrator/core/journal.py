@@ -64,5 +64,5 @@ class Journal:
                         continue  # a torn last line from a killed writer
                     if kind is None or record.get("event") == kind:
                         yield record
-        except FileNotFoundError:
-            return
+        except (FileNotFoundError, NotADirectoryError):
+            return  # no journal yet, or its folder is gone a while (events are held)

@@ -61,10 +61,16 @@ class RunLock:
             return taken_from
         raise LockedError(f"{self.path}: could not take the lock (contended)")
 
-    def refresh(self) -> None:
+    def refresh(self) -> OSError | None:
+        """Renew the lock; the error when the run directory cannot be written (a Drive mount
+        gone for a while must not kill the supervisor: the caller reports it, once)."""
         if self.held:
-            write_json_atomic(self.path, dict(self.owner, refreshed=round(time.time(), 3)),
-                              durable=False)
+            try:
+                write_json_atomic(self.path, dict(self.owner, refreshed=round(time.time(), 3)),
+                                  durable=False)
+            except OSError as exc:
+                return exc
+        return None
 
     def release(self) -> None:
         if not self.held:

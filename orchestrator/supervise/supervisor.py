@@ -120,6 +120,7 @@ class Supervisor:
                           export_env=lambda: _worker_env(self._base_env()))
         self._accel_ok: bool | None = None
         self._attempts_before = 0
+        self._run_dir_down: float | None = None  # since when the run dir cannot be written
 
     # ------------------------------------------------------------------ public
     def run(self) -> int:
@@ -180,7 +181,7 @@ class Supervisor:
         self.attempt.start(self.ledger.latest_epoch())
         self.progress.attempt_started(n, self.ledger.latest_epoch())
         outcome = self.attempt.wait(on_checkpoint=self.ledger.scan, duties=[
-            Every(LOCK_REFRESH_S, self.lock.refresh),
+            Every(LOCK_REFRESH_S, self._refresh_lock),
             Every(self.spec.probe_interval, lambda: self._probe_accelerator(n, running=True))])
         self.attempt = None
         self.ledger.scan()
@@ -223,6 +224,21 @@ class Supervisor:
                                 f"restarting in {decision.delay_s:.1f} s "
                                 f"({_budget_line(decision.kind, counters)})")
         self._sleep(decision.delay_s)
+
+    def _refresh_lock(self) -> None:
+        """Renew the lock; a run directory that cannot be written is reported once, and its
+        return once (the journal holds the events meanwhile, the mirror the checkpoints)."""
+        exc = self.lock.refresh()
+        if exc is not None and self._run_dir_down is None:
+            self._run_dir_down = time.time()
+            self.journal.append(Event.RUN_DIR_UNREACHABLE, error=str(exc))
+            self.say(f"the run directory {self.rd.root} cannot be written ({exc}); training "
+                     f"goes on, events are held until it is back")
+        elif exc is None and self._run_dir_down is not None:
+            self.journal.append(Event.RUN_DIR_RESTORED,
+                                outage_s=round(time.time() - self._run_dir_down, 3))
+            self.say(f"the run directory is back after {time.time() - self._run_dir_down:.0f} s")
+            self._run_dir_down = None
 
     def _counters(self) -> dict:
         return dict(self.policy.counters(), restarts=self.restarts)
