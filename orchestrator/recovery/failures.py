@@ -180,7 +180,7 @@ def read_tail(path: str, nbytes: int = LOG_TAIL_BYTES) -> str:
         return ""
 
 
-def _signal_name(n: int) -> str:
+def signal_name(n: int) -> str:
     try:
         return signal.Signals(n).name
     except ValueError:
@@ -200,7 +200,7 @@ def classify(exit_code: int | None = None, error: dict | None = None, log: str =
     if error and error.get("fatal"):
         return Diagnosis(Kind.USER_ERROR, None, _error_line(error))
     if exit_code is not None and exit_code < 0 and -exit_code in _KILL_SIGNALS:
-        return Diagnosis(Kind.KILLED, None, f"killed by {_signal_name(-exit_code)}")
+        return Diagnosis(Kind.KILLED, None, f"killed by {signal_name(-exit_code)}")
     f = evidence.consult(sources_of(error, log), job, layers).decided
     if f is not None:
         sig = f.signature
@@ -210,11 +210,11 @@ def classify(exit_code: int | None = None, error: dict | None = None, log: str =
     if exit_code == EXIT_CONFIG:
         return Diagnosis(Kind.USER_ERROR, None, f"exit code {EXIT_CONFIG} (configuration)")
     if exit_code is not None and exit_code > 128 and exit_code - 128 in _KILL_SIGNALS:
-        return Diagnosis(Kind.KILLED, None, f"exit code {exit_code} ({_signal_name(exit_code - 128)})")
+        return Diagnosis(Kind.KILLED, None, f"exit code {exit_code} ({signal_name(exit_code - 128)})")
     if error:
         return Diagnosis(Kind.UNKNOWN, None, _error_line(error))
     if exit_code is not None and exit_code < 0:
-        return Diagnosis(Kind.UNKNOWN, None, f"killed by {_signal_name(-exit_code)}")
+        return Diagnosis(Kind.UNKNOWN, None, f"killed by {signal_name(-exit_code)}")
     return Diagnosis(Kind.UNKNOWN, None, f"exit code {exit_code}" if exit_code is not None
                      else "no known signature")
 

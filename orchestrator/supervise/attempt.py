@@ -28,6 +28,7 @@ from orchestrator.core.events import Event
 from orchestrator.core.journal import Journal
 from orchestrator.core.osutil import pid_alive, read_json
 from orchestrator.recovery import oom
+from orchestrator.recovery.failures import signal_name
 from orchestrator.supervise.hangs import HangClock, dump_stacks
 
 
@@ -207,9 +208,3 @@ def kill_orphans(events: list[dict], journal: Journal) -> None:
                 journal.append(Event.ORPHAN_WORKER_NOT_KILLED, attempt=n, pid=pid,
                                reason=str(exc))
 
-
-def signal_name(n: int) -> str:
-    try:
-        return signal.Signals(n).name
-    except ValueError:
-        return f"signal {n}"

@@ -41,11 +41,10 @@ from orchestrator.core.spec import JobSpec
 from orchestrator.recovery import faults as faults_mod
 from orchestrator.recovery.actions import Remedies
 from orchestrator.recovery.evidence import JobContext
-from orchestrator.recovery.failures import classify, read_tail
+from orchestrator.recovery.failures import classify, read_tail, signal_name
 from orchestrator.recovery.policy import GIVE_UP, Decision, Failure, RecoveryPolicy, is_preemption
 from orchestrator.supervise import admission
-from orchestrator.supervise.attempt import (Attempt, Every, Outcome, Stopped, kill_orphans,
-                                            signal_name)
+from orchestrator.supervise.attempt import Attempt, Every, Outcome, Stopped, kill_orphans
 from orchestrator.supervise.console import Progress
 from orchestrator.supervise.finish import RunEnd, summary
 from orchestrator.supervise.hangs import HangClock, HeartbeatEvents
