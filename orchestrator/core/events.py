@@ -11,10 +11,17 @@ from __future__ import annotations
 class Event:
     """The journal's event names (``Event.RUN_STARTED == "run_started"``)."""
 
-    #: the run directory cannot be written (a Drive mount gone); events are held meanwhile
+    #: the run directory cannot be written (a Drive mount gone); its files are kept locally
     RUN_DIR_UNREACHABLE = "run_dir_unreachable"
-    #: ... and can be again
+    #: ... and can be again (``outage_s``, ``down_since``, what was ``held_back``)
     RUN_DIR_RESTORED = "run_dir_restored"
+    #: the lock could not be refreshed for the lease: the worker is paused (SIGSTOP) so that
+    #: a supervisor on another VM that takes the stale lock over never trains beside it
+    WORKER_PAUSED = "worker_paused"
+    #: the lock is ours again: the paused worker goes on (SIGCONT)
+    WORKER_RESUMED = "worker_resumed"
+    #: another supervisor took the run directory over during an outage: this one stops
+    LOCK_LOST = "lock_lost"
     #: a supervisor session starts a new run
     RUN_STARTED = "run_started"
     #: a supervisor session resumes a run

@@ -19,6 +19,21 @@ import time
 from typing import Iterator
 
 
+def append_lines(path: str, data: bytes) -> int:
+    """Append whole lines with one ``write`` on an ``O_APPEND`` descriptor, fsynced; a torn
+    line left by a killed writer is ended first. Returns the file's size after the write."""
+    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        size = os.fstat(fd).st_size
+        if size and os.pread(fd, 1, size - 1) != b"\n":
+            data = b"\n" + data
+        os.write(fd, data)
+        os.fsync(fd)
+        return size + len(data)
+    finally:
+        os.close(fd)
+
+
 class Journal:
     def __init__(self, path: str):
         self.path = path
@@ -41,15 +56,7 @@ class Journal:
         return record
 
     def _write(self, text: str) -> None:
-        fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            size = os.fstat(fd).st_size
-            if size and os.pread(fd, 1, size - 1) != b"\n":
-                text = "\n" + text  # end a torn line left by a killed writer
-            os.write(fd, text.encode())
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        append_lines(self.path, text.encode())
 
     def events(self, kind: str | None = None) -> list[dict]:
         return list(self.iter(kind))

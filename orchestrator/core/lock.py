@@ -4,12 +4,21 @@ A ``lock`` file names the owner (host, pid, start, last refresh). It is created 
 ``O_EXCL``. A lock whose owner is dead (same host, pid gone) or silent for longer than
 ``stale_after`` seconds (another host, e.g. a recycled Colab VM that left it on Drive) is stale
 and is taken over: it is first renamed aside, which only one contender can do, then created anew.
+
+The takeover rule when the run directory (Drive) goes away while a supervisor trains: the lock
+is refreshed every ``Lease.refresh_s``; a supervisor that could not refresh it for
+``Lease.lease_s`` (three quarters of ``stale_after``) pauses its worker, because from
+``stale_after`` on another VM may take the lock over and start training from the durable
+checkpoints - two trainers must never write one run. When the run directory answers again the
+lock is read before it is written: still ours, the worker goes on; someone else's
+(``LockLost``), this supervisor stops and writes nothing more to the run directory.
 """
 from __future__ import annotations
 
 import json
 import os
 import socket
+import sys
 import time
 import uuid
 
@@ -20,6 +29,34 @@ FILE = "lock"
 
 class LockedError(Exception):
     """Another live supervisor owns the run directory."""
+
+
+class LockLost(Exception):
+    """Another supervisor holds the lock now: ours went stale while we could not refresh it."""
+
+    def __init__(self, current: dict):
+        super().__init__(f"the run directory was taken over by pid {current.get('pid')} on "
+                         f"host {current.get('host')}")
+        self.current = current
+
+
+class Lease:
+    """How long an unrefreshed lock may still be trusted (see the module's takeover rule)."""
+
+    def __init__(self, stale_after: float):
+        self.stale_after = stale_after
+        self.refresh_s = min(5.0, stale_after / 8)
+        self.lease_s = 0.75 * stale_after  # leaves a quarter for a paused worker to stop
+        self.refreshed = time.monotonic()
+
+    def renewed(self) -> None:
+        self.refreshed = time.monotonic()
+
+    def due(self) -> bool:
+        return time.monotonic() - self.refreshed >= self.refresh_s
+
+    def expired(self) -> bool:
+        return time.monotonic() - self.refreshed >= self.lease_s
 
 
 class RunLock:
@@ -63,8 +100,14 @@ class RunLock:
 
     def refresh(self) -> OSError | None:
         """Renew the lock; the error when the run directory cannot be written (a Drive mount
-        gone for a while must not kill the supervisor: the caller reports it, once)."""
+        gone for a while must not kill the supervisor: the caller reports it, once). Raises
+        ``LockLost`` when another supervisor's token is in the file; a missing file (a run
+        directory restored without it) is written anew."""
         if self.held:
+            current = read_json(self.path)
+            if current and current.get("token") != self.owner["token"]:
+                self.held = False
+                raise LockLost(current)
             try:
                 write_json_atomic(self.path, dict(self.owner, refreshed=round(time.time(), 3)),
                                   durable=False)
@@ -76,9 +119,14 @@ class RunLock:
         if not self.held:
             return
         current = read_json(self.path) or {}
-        if current.get("token") == self.owner["token"]:
-            os.remove(self.path)
         self.held = False
+        if current.get("token") == self.owner["token"]:
+            try:
+                os.remove(self.path)
+            except OSError as exc:  # the run directory is down: the lock goes stale by itself
+                print(f"[orchestrator] could not remove the lock {self.path} ({exc}); it is "
+                      f"stale {self.stale_after:.0f} s after this supervisor's last refresh",
+                      file=sys.stderr, flush=True)
 
     def stale_reason(self, current: dict | None) -> str | None:
         """Why the lock ``current`` may be taken over, or None while its owner lives."""

@@ -1,4 +1,13 @@
-"""Where everything lives in a run directory: the one place both processes agree on names."""
+"""Where everything lives in a run directory: the one place both processes agree on names.
+
+The run directory (``root``) is often a Google Drive mount, which can vanish for seconds or
+minutes. So the *control state* both processes write while a run is live - the journal, the
+heartbeat, the attempt logs and error records, the fault marks - is written first to a folder on
+the local disk (``control``, beside the local checkpoint tier) and mirrored to ``root`` by the
+supervisor (supervise/controlmirror.py). What only matters once written (``run.json``, the job
+copy, checkpoints, the export) lives in ``root``. A ``RunDir`` with no ``control`` (the
+operator's commands, which read a run from anywhere) reads everything from ``root``.
+"""
 from __future__ import annotations
 
 import os
@@ -11,6 +20,9 @@ EXIT_CONFIG = 78
 EXIT_STOPPED = 130
 # The worker saved its state on SIGTERM (a preemption notice) and exited (128 + SIGTERM).
 EXIT_PREEMPTED = 143
+# Another supervisor took the run directory over while this one could not reach it (core/lock.py's
+# takeover rule); this one stopped. sysexits' EX_TEMPFAIL.
+EXIT_LOCK_LOST = 75
 
 # Split the host CPU into this many logical devices before TensorFlow starts (a worker then
 # trains under a multi-replica MirroredStrategy on a CPU, as it would on 8 TPU cores): for tests.
@@ -22,13 +34,34 @@ ENV_BATCH_SIZE = "ORCHESTRATOR_BATCH_SIZE"      # per-replica batch after halvin
 ENV_REINIT = "ORCHESTRATOR_REINIT_ACCELERATOR"  # "1": shut down + initialise the TPU system
 
 
+# The control state's names, relative to ``RunDir.control`` and, mirrored, to ``RunDir.root``.
+JOURNAL_FILE = "events.jsonl"
+ATTEMPTS_DIR = "attempts"
+FAULTS_DIR = "faults"
+
+
 @dataclass(frozen=True)
 class RunDir:
     root: str
+    local: str | None = None  # where the live control state is written first (local disk)
+
+    @classmethod
+    def for_spec(cls, spec) -> "RunDir":
+        """The supervisor's and the worker's view: control state on the local disk."""
+        return cls(spec.run_dir, control_dir_for(spec.checkpoint.local_dir))
+
+    @property
+    def control(self) -> str:
+        return self.local or self.root
 
     @property
     def journal(self) -> str:
-        return os.path.join(self.root, "events.jsonl")
+        return os.path.join(self.control, JOURNAL_FILE)
+
+    @property
+    def faults(self) -> str:
+        """Fault marks (recovery/faults.py): which injected faults have fired."""
+        return os.path.join(self.control, FAULTS_DIR)
 
     @property
     def checkpoints(self) -> str:
@@ -36,7 +69,7 @@ class RunDir:
 
     @property
     def attempts(self) -> str:
-        return os.path.join(self.root, "attempts")
+        return os.path.join(self.control, ATTEMPTS_DIR)
 
     @property
     def job_copy(self) -> str:
@@ -60,9 +93,11 @@ class RunDir:
 
     def make(self) -> "RunDir":
         """Create what a run needs to start; ``checkpoints/`` (the durable tier) is created by
-        its first commit, so a Drive that fails there cannot stop a start."""
+        its first commit, so a Drive that fails there cannot stop a start. Only the control
+        folder: a worker starting while the run directory is down must not fail here."""
         os.makedirs(self.attempts, exist_ok=True)
         return self
+
 
 def default_local_dir(name: str, run_dir: str) -> str:
     """A per-run folder on the local disk, stable across supervisor restarts on one machine."""
@@ -71,3 +106,9 @@ def default_local_dir(name: str, run_dir: str) -> str:
 
     tag = hashlib.sha256(os.path.abspath(run_dir).encode()).hexdigest()[:12]
     return os.path.join(tempfile.gettempdir(), "orchestrator", f"{name}-{tag}", "checkpoints")
+
+
+def control_dir_for(local_dir: str) -> str:
+    """The local control folder, beside the local checkpoint tier (not inside it: the tier's
+    folder holds checkpoints only)."""
+    return os.path.normpath(local_dir) + "-control"

@@ -177,6 +177,7 @@ class JobSpec:
     preempt_grace: float = 20.0      # SIGTERM -> emergency checkpoint and exit (spot VMs: ~30 s)
     standby: str = "auto"            # a warm standby worker: auto | off | import_only
     probe_interval: float = 60.0     # accelerator probe period while an attempt runs
+    lock_stale_after: float = 120.0  # a lock silent this long may be taken over (another VM)
     recovery: RecoverySpec = RecoverySpec()
 
     def training_relevant(self) -> dict:

@@ -163,7 +163,7 @@ TOP_KEYS = {
     "name", "model", "data", "compile", "epochs", "batch_size", "strategy", "run_dir", "seed",
     "checkpoint", "restarts", "heartbeat_interval", "deterministic", "learning_rate", "callbacks",
     "hang_timeout", "startup_timeout", "stop_grace", "probe_interval", "recovery",
-    "preempt_grace", "standby",
+    "preempt_grace", "standby", "lock_stale_after",
 }
 RECOVERY_KEYS = {
     "ladders", "reinstall_tensorflow", "reinstall_max", "pip", "pip_args",
@@ -396,6 +396,8 @@ def _read(r: _Reader, data: dict, path: str, run_dir: str | None) -> JobSpec:
         preempt_grace=r.number(data, "preempt_grace", "preempt_grace", _JOB["preempt_grace"], 0),
         standby=r.string(data, "standby", "standby", _JOB["standby"], STANDBY_MODES),
         probe_interval=r.number(data, "probe_interval", "probe_interval", _JOB["probe_interval"], 0.1),
+        lock_stale_after=r.number(data, "lock_stale_after", "lock_stale_after",
+                                  _JOB["lock_stale_after"], 2.0),
         recovery=_recovery(r, data["recovery"]) if "recovery" in data else RecoverySpec(),
     )
 

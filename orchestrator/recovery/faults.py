@@ -34,6 +34,7 @@ from orchestrator.checkpoint.store import COMMIT_MARKER
 from orchestrator.checkpoint.tiers import DURABLE_MARKER
 from orchestrator.core.osutil import read_json, write_json_atomic
 from orchestrator.core.events import Event
+from orchestrator.core.rundir import FAULTS_DIR
 
 ENV = "ORCHESTRATOR_FAULTS"
 _SPEC = re.compile(r"^(?P<what>kill|hang|raise|exit|corrupt-checkpoint|storage-down)"
@@ -103,8 +104,9 @@ class Injector:
     """Fires the run's faults at their moments; a no-op when there are none."""
 
     def __init__(self, faults, run_dir: str, attempt: int, journal=None):
+        """``run_dir``: where the marks live (a RunDir's ``control``, or a run directory)."""
         self.faults = [parse(f) if isinstance(f, str) else f for f in faults]
-        self.dir = os.path.join(run_dir, "faults")
+        self.dir = os.path.join(run_dir, FAULTS_DIR)
         self.attempt, self.journal = attempt, journal
 
     @classmethod

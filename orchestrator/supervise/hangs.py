@@ -47,6 +47,7 @@ class HangClock:
         self.last = time.monotonic()
         self.last_wall = time.time()
         self.training = False
+        self.paused = False  # the worker is stopped on purpose (core/lock.py's lease)
 
     def start(self, attempt: int) -> None:
         self.attempt, self.training = attempt, False
@@ -61,11 +62,21 @@ class HangClock:
         if rec.get("phase") != "starting":
             self.training = True
 
+    def pause(self) -> None:
+        self.paused = True
+
+    def resume(self) -> None:
+        """A paused worker goes on: its silence while stopped was ours, not a hang."""
+        self.paused = False
+        self.last, self.last_wall = time.monotonic(), time.time()
+
     @property
     def timeout(self) -> float:
         return self.hang_timeout if self.training else self.startup_timeout
 
     def remaining(self) -> float:
+        if self.paused:
+            return float("inf")
         return self.timeout - (time.monotonic() - self.last)
 
     def age(self) -> float:

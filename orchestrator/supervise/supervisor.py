@@ -13,7 +13,10 @@ pieces live beside it, one reason to change each:
 - ``recovery/``: classify, the policy (budgets, ladders, crash loops, backoff), the actions.
 
 The watchers (committed checkpoints in either tier, the heartbeat file) and the worker's exit
-all feed one queue, so nothing is polled; the durable mirror is a thread of this process.
+all feed one queue, so nothing is polled; the durable mirror is a thread of this process, and so
+is the control mirror (``controlmirror.py``: the journal, heartbeat and logs are written on the
+local disk and copied to the run directory, which may be a Drive mount that comes and goes). The
+control mirror's thread also keeps the lock, under the takeover rule of ``core/lock.py``.
 """
 from __future__ import annotations
 
@@ -35,8 +38,8 @@ from orchestrator.checkpoint.store import COMMIT_MARKER
 from orchestrator.core import heartbeat
 from orchestrator.core.events import Event
 from orchestrator.core.journal import Journal
-from orchestrator.core.lock import RunLock
-from orchestrator.core.rundir import EXIT_STOPPED, RunDir
+from orchestrator.core.lock import Lease, LockLost, RunLock
+from orchestrator.core.rundir import EXIT_LOCK_LOST, EXIT_STOPPED, RunDir
 from orchestrator.core.spec import JobSpec
 from orchestrator.recovery import faults as faults_mod
 from orchestrator.recovery.actions import Remedies
@@ -46,11 +49,11 @@ from orchestrator.recovery.policy import GIVE_UP, Decision, Failure, RecoveryPol
 from orchestrator.supervise import admission
 from orchestrator.supervise.attempt import Attempt, Every, Outcome, Stopped, kill_orphans
 from orchestrator.supervise.console import Progress
+from orchestrator.supervise.controlmirror import ControlMirror, Outage
 from orchestrator.supervise.finish import RunEnd, summary
 from orchestrator.supervise.hangs import HangClock, HeartbeatEvents
 from orchestrator.supervise.ledger import CheckpointLedger
 
-LOCK_REFRESH_S = 5.0
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -92,7 +95,7 @@ class Supervisor:
         if export_cmd == "auto":
             export_cmd = export_command if worker_cmd is worker_command else None
         self.faults = [faults_mod.parse(f).text for f in faults]
-        self.rd = RunDir(spec.run_dir)
+        self.rd = RunDir.for_spec(spec)
         self.out = out or sys.stdout
         self.journal = Journal(self.rd.journal)
         self.store = tiers.for_spec(spec)
@@ -100,14 +103,23 @@ class Supervisor:
         self.mirror = DurableMirror(self.store, self.journal, c.retention,
                                     c.upload_backoff_initial, c.upload_backoff_max,
                                     remount=remount or remount_hook(spec), say=self.say)
-        self.lock = RunLock(self.rd.root)
+        self.lock = RunLock(self.rd.root, stale_after=spec.lock_stale_after)
+        self.lease = Lease(spec.lock_stale_after)
+        self.outage = Outage(self.journal, self.rd.root, self.say,
+                             held_back=lambda: self.control.held_back())
+        self.control = ControlMirror(self.rd, self.outage, hold=self._keep_lock)
+        self._lease_ok = threading.Event()
+        self._lease_ok.set()
+        self._paused_at: float | None = None
+        self.lock_lost: LockLost | None = None
+        self._lease_guard = threading.Lock()
         self.q: queue.Queue = queue.Queue()
         self.attempt: Attempt | None = None
         self._stop = threading.Event()
         self.stop_signal: int | None = None  # what stopped us: SIGINT is a cell interrupt
         self.restarts = 0
-        self.progress = Progress(self.out, self.rd.root, spec.epochs)
-        self.hang = HangClock(self.rd.root, spec.hang_timeout, spec.startup_timeout)
+        self.progress = Progress(self.out, self.rd.control, spec.epochs)
+        self.hang = HangClock(self.rd.control, spec.hang_timeout, spec.startup_timeout)
         self.remedies = Remedies(spec, self._base_env, own_pgid=self._worker_pgid,
                                  sleep=self._sleep, say=self.say)
         self.policy = RecoveryPolicy(spec.recovery, spec.restarts,
@@ -119,22 +131,26 @@ class Supervisor:
                           export_env=lambda: _worker_env(self._base_env()))
         self._accel_ok: bool | None = None
         self._attempts_before = 0
-        self._run_dir_down: float | None = None  # since when the run dir cannot be written
 
     # ------------------------------------------------------------------ public
     def run(self) -> int:
         """Run (or resume) the job to completion. Returns the process exit code."""
+        os.makedirs(self.rd.root, exist_ok=True)  # OSError: cannot start without it
         self.rd.make()
         stale = self.lock.acquire()  # LockedError propagates to the caller
         old_handlers = self._install_signal_handlers()
         observer = Observer()
         try:
             self.progress.start()
-            self._open_run(stale)
+            merged = self.control.merge_on_start()
+            self._open_run(stale, merged)
             self._watch(observer)
             self.mirror.start()
+            self.control.start()
             return self._supervise()
         except (Stopped, KeyboardInterrupt) as exc:
+            if self.lock_lost is not None:
+                return self._stand_down()
             if isinstance(exc, KeyboardInterrupt):
                 self.stop_signal = signal.SIGINT
             self._stop_for_preemption()
@@ -147,6 +163,8 @@ class Supervisor:
                 observer.stop()
                 observer.join(timeout=5)
             self.mirror.stop()
+            self.control.stop(self.spec.checkpoint.flush_timeout if self.lock_lost is None
+                              else None)
             self.progress.stop()
             self._restore_signal_handlers(old_handlers)
             self.lock.release()
@@ -172,6 +190,9 @@ class Supervisor:
     def _run_attempt(self) -> Outcome:
         """Probe, spawn, wait until it exits or hangs, journal how it ended."""
         n = self._attempts_before = self._attempts_before + 1
+        while not self._lease_ok.wait(0.5):  # paused by the lease: start nothing
+            if self._stop.is_set():
+                raise Stopped()
         self._probe_accelerator(attempt=n)
         self.attempt = Attempt(n, self.worker_cmd(self.spec, n), self._attempt_env(consume=True),
                                self.spec.job_dir, self.rd.attempt_log(n), self.q, self.hang,
@@ -180,7 +201,6 @@ class Supervisor:
         self.attempt.start(self.ledger.latest_epoch())
         self.progress.attempt_started(n, self.ledger.latest_epoch())
         outcome = self.attempt.wait(on_checkpoint=self.ledger.scan, duties=[
-            Every(LOCK_REFRESH_S, self._refresh_lock),
             Every(self.spec.probe_interval, lambda: self._probe_accelerator(n, running=True))])
         self.attempt = None
         self.ledger.scan()
@@ -224,26 +244,79 @@ class Supervisor:
                                 f"({_budget_line(decision.kind, counters)})")
         self._sleep(decision.delay_s)
 
-    def _refresh_lock(self) -> None:
-        """Renew the lock; a run directory that cannot be written is reported once, and its
-        return once (the journal holds the events meanwhile, the mirror the checkpoints)."""
-        exc = self.lock.refresh()
-        if exc is not None and self._run_dir_down is None:
-            self._run_dir_down = time.time()
-            self.journal.append(Event.RUN_DIR_UNREACHABLE, error=str(exc))
-            self.say(f"the run directory {self.rd.root} cannot be written ({exc}); training "
-                     f"goes on, events are held until it is back")
-        elif exc is None and self._run_dir_down is not None:
-            self.journal.append(Event.RUN_DIR_RESTORED,
-                                outage_s=round(time.time() - self._run_dir_down, 3))
-            self.say(f"the run directory is back after {time.time() - self._run_dir_down:.0f} s")
-            self._run_dir_down = None
+    # ------------------------------------------------------------------ the lock's lease
+    def _keep_lock(self) -> bool:
+        """Before each control-mirror pass (its thread): refresh the lock when due and apply
+        the takeover rule of core/lock.py. False: write nothing to the run directory now."""
+        with self._lease_guard:
+            if self.lock_lost is not None:
+                return False
+            if not self.lease.due() and not self.outage.down and self._paused_at is None:
+                return True
+            try:
+                exc = self.lock.refresh()
+            except LockLost as lost:
+                self._lose_lock(lost)
+                return False
+            if exc is None:
+                self.lease.renewed()
+                if self._paused_at is not None:
+                    self._resume_worker()
+                return True
+            self.outage.failed(exc, during="refreshing the lock")
+            if self.lease.expired() and self._paused_at is None:
+                self._pause_worker()
+            return False
+
+    def _pause_worker(self) -> None:
+        self._paused_at = time.time()
+        self._lease_ok.clear()
+        self.hang.pause()
+        pgid = self._signal_worker(signal.SIGSTOP)
+        self.journal.append(Event.WORKER_PAUSED, pid=pgid, lease_s=self.lease.lease_s,
+                            stale_after_s=self.lease.stale_after)
+        self.say(f"the lock could not be refreshed for {self.lease.lease_s:.0f} s: the worker is "
+                 f"paused, so that no other machine can take the run over while it trains")
+
+    def _resume_worker(self) -> None:
+        paused = time.time() - self._paused_at
+        self._paused_at = None
+        pgid = self._signal_worker(signal.SIGCONT)
+        self.hang.resume()
+        self._lease_ok.set()
+        self.journal.append(Event.WORKER_RESUMED, pid=pgid, paused_s=round(paused, 3))
+        self.say(f"the lock is ours again: the worker goes on after {paused:.0f} s paused")
+
+    def _lose_lock(self, lost: LockLost) -> None:
+        self.lock_lost = lost
+        self.journal.append(Event.LOCK_LOST, owner=lost.current)
+        self._stop.set()
+        self.q.put(("stop",))
+
+    def _signal_worker(self, sig: int) -> int | None:
+        pgid = self._worker_pgid()
+        if pgid is not None:
+            try:
+                os.killpg(pgid, sig)
+            except ProcessLookupError:
+                return None
+        return pgid
+
+    def _stand_down(self) -> int:
+        """Another supervisor owns the run now: kill our worker at once (it is paused, and must
+        not commit anything) and leave the run directory to it."""
+        if self.attempt is not None:
+            self.attempt.stop(grace=0.0)
+            self.attempt = None
+        self.say(f"{self.lock_lost}; this supervisor stops. What it held back stays in "
+                 f"{self.rd.control}.")
+        return EXIT_LOCK_LOST
 
     def _counters(self) -> dict:
         return dict(self.policy.counters(), restarts=self.restarts)
 
     # ------------------------------------------------------------------ run lifecycle
-    def _open_run(self, stale: dict | None) -> None:
+    def _open_run(self, stale: dict | None, merged: dict) -> None:
         admitted = admission.admit(self.spec, self.rd, self.force, self.say)
         events = self.journal.events()
         self.ledger.recall(events)
@@ -251,6 +324,12 @@ class Supervisor:
                                       and is_preemption(e.get("kind")))
         self._attempts_before = max((e["attempt"] for e in events
                                      if e["event"] == Event.ATTEMPT_STARTED), default=0)
+        if merged.get("set_aside"):
+            self.say(f"a new run: the control state of an earlier run here is kept aside in "
+                     f"{merged['set_aside']}")
+        if merged.get("to_run_dir") or merged.get("from_run_dir"):
+            self.say(f"merged the journals: {merged['to_run_dir']} event(s) this machine held "
+                     f"back, {merged['from_run_dir']} from the run directory")
         if stale:
             self.say(f"took over the run directory from a dead supervisor ({stale['reason']})")
             self.journal.append(Event.LOCK_TAKEN_OVER, previous=stale)
@@ -271,7 +350,7 @@ class Supervisor:
         observer.schedule(_CheckpointEvents(self.q), self.store.local.root, recursive=True)
         if os.path.isdir(self.rd.checkpoints):  # commits a worker made there directly
             observer.schedule(_CheckpointEvents(self.q), self.rd.checkpoints)
-        observer.schedule(HeartbeatEvents(self.q), self.rd.root, recursive=False)
+        observer.schedule(HeartbeatEvents(self.q), self.rd.control, recursive=False)
         observer.start()
 
     def _journal_ended(self, outcome: Outcome, error: dict | None, kind: str,
@@ -289,7 +368,7 @@ class Supervisor:
                      if e.get("attempt") == n), None)
 
     def _position(self, outcome: Outcome, error: dict | None) -> str:
-        where = error if error and "epoch" in error else heartbeat.read(self.rd.root) or {}
+        where = error if error and "epoch" in error else heartbeat.read(self.rd.control) or {}
         if where.get("attempt", outcome.attempt) != outcome.attempt:
             where = {}
         return (f"epoch {where.get('epoch', self.ledger.latest_epoch())} "

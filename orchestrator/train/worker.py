@@ -80,13 +80,13 @@ def train(spec: JobSpec, rd: RunDir, attempt: int, progress, t_start: float,
 
     journal = Journal(rd.journal)
     notice = notice or PreemptionNotice()
-    heart = HeartbeatWriter(rd.root, attempt, spec.heartbeat_interval)
+    heart = HeartbeatWriter(rd.control, attempt, spec.heartbeat_interval)
     heart.beat(force=True, phase="starting")
     keras.utils.set_random_seed(spec.seed)
     if spec.deterministic:
         tf.config.experimental.enable_op_determinism()
     spec, reinitialise = apply_overrides(spec)
-    injector = Injector.from_env(rd.root, attempt, journal)
+    injector = Injector.from_env(rd.control, attempt, journal)
 
     strategy, described = resolve_strategy(spec.strategy, reinitialise=reinitialise)
     replicas = strategy.num_replicas_in_sync
@@ -271,7 +271,7 @@ def main(argv=None) -> int:
         return EXIT_CONFIG
     except Preempted:
         return EXIT_PREEMPTED
-    rd = RunDir(spec.run_dir).make()
+    rd = RunDir.for_spec(spec).make()
 
     progress = Position()
     try:

@@ -58,7 +58,7 @@ def main():
     plan = json.loads(os.environ.get("FAKE_PLAN", "{}"))
     n = str(a.attempt)
     spec = load(a.job, run_dir=a.run_dir)
-    rd = RunDir(spec.run_dir)
+    rd = RunDir.for_spec(spec)
     write_atomic(os.path.join(rd.root, f"fake-{n}.pid"), str(os.getpid()).encode())
     write_json_atomic(os.path.join(rd.root, f"fake-{n}.env.json"),
                       {k: v for k, v in os.environ.items() if k.startswith("ORCHESTRATOR_")})
@@ -101,9 +101,9 @@ def main():
 def train(spec, rd, attempt, plan, progress):
     n = str(attempt)
     journal = Journal(rd.journal)
-    heart = HeartbeatWriter(rd.root, attempt, interval=0.0)
+    heart = HeartbeatWriter(rd.control, attempt, interval=0.0)
     heart.beat(phase="starting")
-    injector = Injector.from_env(rd.root, attempt, journal)
+    injector = Injector.from_env(rd.control, attempt, journal)
     store = injector.wrap_store(tiers.for_spec(spec))
     skipped = []
     latest = store.latest_valid(on_skip=lambda c, why: skipped.append((c, why)))
