@@ -44,7 +44,11 @@ class DurableMirror:
     def __init__(self, store: TieredStore, journal: Journal, retention: Retention,
                  backoff_initial: float = 1.0, backoff_max: float = 60.0,
                  remount: Callable[[str], object] | None = None,
-                 remount_every_s: float = REMOUNT_EVERY_S, say: Callable[[str], None] | None = None):
+                 remount_every_s: float = REMOUNT_EVERY_S, say: Callable[[str], None] | None = None,
+                 hold: Callable[[], bool] = lambda: True):
+        """``hold()`` is asked before each pass: False means the run directory is not ours to
+        write now (the lock's lease, core/lock.py); the pass waits for the next one."""
+        self.hold = hold
         self.store, self.journal, self.retention = store, journal, retention
         self.backoff_initial, self.backoff_max = backoff_initial, backoff_max
         self.remount, self.remount_every_s = remount, remount_every_s
@@ -157,6 +161,8 @@ class DurableMirror:
         """One pass: learn the durable tier, upload the backlog, apply retention. Every step
         that touches the durable tier is retried with backoff on an OSError: a mount that
         fails between two calls must never end the mirror."""
+        if not self.hold():
+            return self.backlog()
         if not self._swept:
             self._swept = True
             try:

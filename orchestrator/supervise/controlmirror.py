@@ -46,9 +46,8 @@ RETRY_WAIT = wait_exponential(multiplier=CONTROL_SYNC_S, max=5.0)
 class Outage:
     """Whether the run directory answers; each change journaled once (from any thread)."""
 
-    def __init__(self, journal: Journal, root: str, say: Callable[[str], None],
-                 held_back: Callable[[], dict] = dict):
-        self.journal, self.root, self.say, self.held_back = journal, root, say, held_back
+    def __init__(self, journal: Journal, root: str, say: Callable[[str], None]):
+        self.journal, self.root, self.say = journal, root, say
         self.since: float | None = None
         self.failures = 0
         self._lock = threading.Lock()
@@ -68,15 +67,18 @@ class Outage:
         self.say(f"the run directory {self.root} cannot be written ({exc}); training goes on, "
                  f"its files are kept on the local disk until it is back")
 
-    def ok(self) -> None:
+    def ok(self, held_back: dict | None = None) -> bool:
+        """The run directory answers; True when that ends an outage (journaled, with what
+        was ``held_back`` on the local disk when it came back)."""
         with self._lock:
             if self.since is None:
-                return
+                return False
             since, self.since = self.since, None
         outage = time.time() - since
         self.journal.append(Event.RUN_DIR_RESTORED, outage_s=round(outage, 3),
-                            down_since=round(since, 3), held_back=self.held_back())
+                            down_since=round(since, 3), held_back=held_back or {})
         self.say(f"the run directory is back after {outage:.0f} s")
+        return True
 
 
 def _complete_lines(data: bytes) -> bytes:
@@ -214,13 +216,15 @@ class ControlMirror:
         with self._sync_lock:
             if not self.hold():
                 return False
+            held = self.held_back() if self.outage.down else None
             try:
                 for rel, append in self._files():
                     (self._append_new if append else self._copy_changed)(rel)
+                if self.outage.ok(held):
+                    self._append_new(JOURNAL_FILE)  # run_dir_restored itself
             except OSError as exc:
                 self.outage.failed(exc, during="mirroring the control state")
                 return False
-            self.outage.ok()
             return True
 
     def _files(self) -> list[tuple[str, bool]]:

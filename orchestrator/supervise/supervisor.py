@@ -102,11 +102,11 @@ class Supervisor:
         c = spec.checkpoint
         self.mirror = DurableMirror(self.store, self.journal, c.retention,
                                     c.upload_backoff_initial, c.upload_backoff_max,
-                                    remount=remount or remount_hook(spec), say=self.say)
+                                    remount=remount or remount_hook(spec), say=self.say,
+                                    hold=lambda: self._keep_lock())
         self.lock = RunLock(self.rd.root, stale_after=spec.lock_stale_after)
         self.lease = Lease(spec.lock_stale_after)
-        self.outage = Outage(self.journal, self.rd.root, self.say,
-                             held_back=lambda: self.control.held_back())
+        self.outage = Outage(self.journal, self.rd.root, self.say)
         self.control = ControlMirror(self.rd, self.outage, hold=self._keep_lock)
         self._lease_ok = threading.Event()
         self._lease_ok.set()
@@ -185,6 +185,8 @@ class Supervisor:
                 return self.end.failed(outcome, decision, failure.evidence,
                                        self.ledger.latest_epoch(), self._counters())
             self._restart(outcome, decision)
+        if self.lock_lost is not None:
+            raise Stopped()  # the run is another supervisor's now: it completes it
         return self.end.completed(self.ledger.latest(), self._counters())
 
     def _run_attempt(self) -> Outcome:
@@ -290,6 +292,7 @@ class Supervisor:
     def _lose_lock(self, lost: LockLost) -> None:
         self.lock_lost = lost
         self.journal.append(Event.LOCK_LOST, owner=lost.current)
+        self.mirror.stop(timeout=0)  # no more uploads; a flush waiting on it returns
         self._stop.set()
         self.q.put(("stop",))
 
