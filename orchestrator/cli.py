@@ -6,11 +6,13 @@ import json
 import sys
 
 from orchestrator.core.lock import LockedError
+from orchestrator.core.rundir import RunDirUnreachable
 from orchestrator.core.spec import SpecError
 from orchestrator.supervise.admission import IncompatibleResume
 
 EXIT_USAGE = 2
 EXIT_LOCKED = 3
+EXIT_RUN_DIR = 4
 
 
 def _cmd_run(args) -> int:
@@ -152,6 +154,9 @@ def main(argv=None) -> int:
     except LockedError as exc:
         print(f"orchestrator: {exc}", file=sys.stderr)
         return EXIT_LOCKED
+    except RunDirUnreachable as exc:
+        print(f"orchestrator: {exc}", file=sys.stderr)
+        return EXIT_RUN_DIR
 
 
 if __name__ == "__main__":

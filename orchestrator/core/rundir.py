@@ -40,6 +40,10 @@ ATTEMPTS_DIR = "attempts"
 FAULTS_DIR = "faults"
 
 
+class RunDirUnreachable(Exception):
+    """A supervisor cannot start: its run directory cannot be written (its lock is there)."""
+
+
 @dataclass(frozen=True)
 class RunDir:
     root: str

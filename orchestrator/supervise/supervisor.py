@@ -29,6 +29,7 @@ import sys
 import threading
 import time
 
+from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_exponential
 from watchdog.events import FileSystemEventHandler
 from watchdog.observers import Observer
 
@@ -39,7 +40,7 @@ from orchestrator.core import heartbeat
 from orchestrator.core.events import Event
 from orchestrator.core.journal import Journal
 from orchestrator.core.lock import Lease, LockLost, RunLock
-from orchestrator.core.rundir import EXIT_LOCK_LOST, EXIT_STOPPED, RunDir
+from orchestrator.core.rundir import EXIT_LOCK_LOST, EXIT_STOPPED, RunDir, RunDirUnreachable
 from orchestrator.core.spec import JobSpec
 from orchestrator.recovery import faults as faults_mod
 from orchestrator.recovery.actions import Remedies
@@ -54,6 +55,9 @@ from orchestrator.supervise.finish import RunEnd, summary
 from orchestrator.supervise.hangs import HangClock, HeartbeatEvents
 from orchestrator.supervise.ledger import CheckpointLedger
 
+# A run directory that does not answer at start is retried this long (a Drive mount that is
+# remounting takes seconds), then the start fails with a clear message.
+START_RETRY_S = 30.0
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -135,15 +139,12 @@ class Supervisor:
     # ------------------------------------------------------------------ public
     def run(self) -> int:
         """Run (or resume) the job to completion. Returns the process exit code."""
-        os.makedirs(self.rd.root, exist_ok=True)  # OSError: cannot start without it
-        self.rd.make()
-        stale = self.lock.acquire()  # LockedError propagates to the caller
+        stale = self._retry_start(self._take_run_dir)  # LockedError propagates to the caller
         old_handlers = self._install_signal_handlers()
         observer = Observer()
         try:
             self.progress.start()
-            merged = self.control.merge_on_start()
-            self._open_run(stale, merged)
+            self._retry_start(lambda: self._open_run(stale, self.control.merge_on_start()))
             self._watch(observer)
             self.mirror.start()
             self.control.start()
@@ -171,6 +172,25 @@ class Supervisor:
 
     def say(self, msg: str) -> None:
         self.progress.say(msg)
+
+    def _take_run_dir(self) -> dict | None:
+        os.makedirs(self.rd.root, exist_ok=True)
+        self.rd.make()
+        return self.lock.acquire()
+
+    def _retry_start(self, step):
+        """A start step that touches the run directory, retried while it does not answer."""
+        retrying = Retrying(retry=retry_if_exception_type(OSError), reraise=True,
+                            stop=stop_after_delay(START_RETRY_S),
+                            wait=wait_exponential(multiplier=0.5, max=5.0))
+        try:
+            return retrying(step)
+        except OSError as exc:
+            raise RunDirUnreachable(
+                f"{self.rd.root}: the run directory cannot be written ({exc}), retried for "
+                f"{START_RETRY_S:.0f} s; the supervisor needs it to start (its lock and journal "
+                f"are there). Check the mount (on Colab: drive.mount(..., force_remount=True)) "
+                f"and run again: nothing was lost.") from exc
 
     # ------------------------------------------------------------------ the loop
     def _supervise(self) -> int:
