@@ -18,6 +18,7 @@ from orchestrator.checkpoint.store import CheckpointStore
 from orchestrator.core.journal import Journal
 from orchestrator.core.rundir import EXIT_LOCK_LOST, RunDir
 from orchestrator.core.spec import load
+from orchestrator.ops.status import format_status, run_status
 
 
 def _control(job) -> RunDir:
@@ -165,6 +166,11 @@ def test_an_outage_past_the_lease_pauses_the_worker_and_it_goes_on_when_the_lock
     assert next(e for e in events if e["event"] == "worker_paused")["pid"]  # a worker was paused
     assert "hang_detected" not in names
     assert [e["attempt"] for e in events if e["event"] == "attempt_started"] == [1]
+    s = run_status(str(run))  # status (and the report, from the same dict) show the outage
+    (o,) = s["run_dir_outages"]
+    assert o["outage_s"] >= 4 and not o["ongoing"] and o["paused_s"] > 0
+    assert o["held_back"]["events"] > 0
+    assert "run directory unreachable from " in format_status(s)
 
 
 def test_a_supervisor_whose_lock_was_taken_over_during_an_outage_stands_down(fake_job,

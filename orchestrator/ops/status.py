@@ -30,7 +30,15 @@ def load_run(run_dir: str):
     lock = read_json(os.path.join(rd.root, LOCK_FILE))
     # a live owner, or one on another host not yet silent for long (a recycled VM's is)
     running = lock is not None and RunLock(rd.root).stale_reason(lock) is None
-    return rd, Journal(rd.journal).events(), running
+    events = Journal(rd.journal).events()
+    try:  # on the machine that runs it, the local journal is ahead (supervise/controlmirror)
+        local = RunDir.for_spec(load(rd.job_copy, run_dir=rd.root))
+        mine = Journal(local.journal).events()
+    except (SpecError, OSError):
+        mine = []
+    if len(mine) > len(events) and mine[:1] == events[:1]:
+        return local, mine, running
+    return rd, events, running
 
 
 def run_status(run_dir: str, now: float | None = None) -> dict:
@@ -58,7 +66,7 @@ def run_status(run_dir: str, now: float | None = None) -> dict:
     last = tl.sessions[-1].how if tl.sessions else "ended"
     state = {"running": "running", "completed": "completed", "failed": "failed"}.get(
         last, "stopped")  # stopped: interrupted or stopped; `run` resumes it
-    hb = heartbeat.read(rd.root)
+    hb = heartbeat.read(rd.control)
     current = tl.attempts[-1] if tl.attempts else None
     live = None
     if running and hb and current and hb.get("attempt") == current.n:
@@ -93,6 +101,7 @@ def run_status(run_dir: str, now: float | None = None) -> dict:
         "durable_unreachable_since": (tier_event["ts"] if running and tier_event and
                                       tier_event["event"] == Event.DURABLE_UNREACHABLE else None),
         "durable_error": durable_error,
+        "run_dir_outages": outages(events, now),
         "last_error": _last_error(failed, run_failed),
         "failure": None if run_failed is None or state != "failed" else {
             k: run_failed.get(k) for k in ("kind", "reason", "evidence", "tried")
@@ -123,6 +132,40 @@ def _budgets(events: list[dict]) -> dict | None:
         elif e["event"] == Event.CHECKPOINT_COMMITTED and budgets:
             budgets["errors"] = 0
     return budgets
+
+
+def outages(events: list[dict], now: float) -> list[dict]:
+    """Each time the run directory stopped answering: since when, for how long, what was held
+    back on the local disk meanwhile, and whether the worker was paused (the lock's lease)."""
+    out: list[dict] = []
+    for e in events:
+        if e["event"] == Event.RUN_DIR_UNREACHABLE:
+            out.append({"since": e["ts"], "outage_s": None, "ongoing": True,
+                        "error": e.get("error"), "held_back": None, "paused_s": None})
+        elif out and e["event"] == Event.RUN_DIR_RESTORED and out[-1]["ongoing"]:
+            out[-1].update(outage_s=e.get("outage_s"), ongoing=False,
+                           held_back=e.get("held_back"))
+        elif out and e["event"] == Event.WORKER_RESUMED:
+            out[-1]["paused_s"] = e.get("paused_s")
+    for o in out:
+        if o["ongoing"]:
+            o["outage_s"] = round(now - o["since"], 3)
+    return out
+
+
+def format_outage(o: dict) -> str:
+    """One outage in words (status and the report)."""
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(o["since"]))
+    text = f"from {when} for {fmt_duration(o['outage_s'] or 0)}"
+    if o["ongoing"]:
+        text += " so far"
+    held = o.get("held_back") or {}
+    if held:
+        text += (f"; held back {held.get('events', 0)} event(s), "
+                 f"{held.get('log_bytes', 0)} bytes of logs, {held.get('files', 0)} file(s)")
+    if o.get("paused_s"):
+        text += f"; worker paused {fmt_duration(o['paused_s'])}"
+    return text
 
 
 def _count(items) -> dict[str, int]:
@@ -200,6 +243,8 @@ def format_status(s: dict, now: float | None = None) -> str:
                      f"{fmt_duration(now - s['durable_unreachable_since'])}; training goes on")
     if s.get("durable_error"):
         lines.append(f"  durable tier: {s['durable_error']}")
+    for o in s.get("run_dir_outages", [])[-3:]:
+        lines.append(f"  run directory unreachable {format_outage(o)}")
     if s["metrics"]:
         lines.append("  last metrics: " + fmt_metrics(s["metrics"]))
     if s["last_error"]:
