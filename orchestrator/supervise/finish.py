@@ -25,7 +25,10 @@ from orchestrator.supervise.attempt import Outcome
 
 class RunEnd:
     def __init__(self, spec: JobSpec, rd: RunDir, journal: Journal, mirror: DurableMirror,
-                 console, export_cmd, export_env):
+                 console, export_cmd, export_env, run_dir_back=lambda timeout: True):
+        """``run_dir_back(timeout)``: True once the run directory answers (the export is
+        written there), waiting up to ``timeout``."""
+        self.run_dir_back = run_dir_back
         self.spec, self.rd, self.journal, self.mirror = spec, rd, journal, mirror
         self.console, self.export_cmd, self.export_env = console, export_cmd, export_env
 
@@ -82,6 +85,12 @@ class RunEnd:
             self.console.say(f"the model for inference is in {self.rd.export}")
             return
         log = os.path.join(self.rd.attempts, "export.log")
+        if not self.run_dir_back(self.spec.checkpoint.flush_timeout):
+            self.journal.append(Event.EXPORT_FAILED, exit_code=None, log=log,
+                                reason="the run directory is unreachable")
+            self.console.say(f"export skipped: the run directory {self.rd.root} is unreachable; "
+                             f"retry with `orchestrator export {self.rd.root}` once it is back")
+            return
         t0 = time.time()
         with open(log, "ab") as f:
             rc = subprocess.call(self.export_cmd(self.spec), stdout=f, stderr=subprocess.STDOUT,

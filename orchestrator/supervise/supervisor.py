@@ -132,7 +132,8 @@ class Supervisor:
                                        on_progress=self.policy.progress,
                                        on_scanned=self.mirror.notify)
         self.end = RunEnd(spec, self.rd, self.journal, self.mirror, self.progress, export_cmd,
-                          export_env=lambda: _worker_env(self._base_env()))
+                          export_env=lambda: _worker_env(self._base_env()),
+                          run_dir_back=self.control.flush)
         self._accel_ok: bool | None = None
         self._attempts_before = 0
 
