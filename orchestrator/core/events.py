@@ -1,8 +1,8 @@
 """Every event name the journal (events.jsonl) can hold, defined once.
 
 Both processes write events (the supervisor most, the worker ``worker_ready``, ``first_step``,
-``fault_injected``, ``resume_not_exact`` and ``checkpoint_skipped``); status, the timeline and
-the report read them. Names are plain strings in the file, so a journal stays readable by
+``fault_injected``, ``resume_not_exact``, ``checkpoint_skipped`` and ``standby_ready``);
+status, the timeline and the report read them. Names are plain strings in the file, so a journal stays readable by
 ``jq`` and by older versions.
 """
 from __future__ import annotations
@@ -48,6 +48,19 @@ class Event:
     WORKER_READY = "worker_ready"
     #: the attempt's first training step is done
     FIRST_STEP = "first_step"
+    #: a standby worker was started behind a training one (``for_attempt``, ``pid``, ``mode``)
+    STANDBY_STARTED = "standby_started"
+    #: the standby has warmed up (imported TensorFlow; in mode ``warm`` also built the model
+    #: and traced the train step) and waits for promotion; ``rss`` is what it holds
+    STANDBY_READY = "standby_ready"
+    #: the standby became the next attempt instead of a fresh process (``ready``: it had
+    #: finished warming up)
+    STANDBY_PROMOTED = "standby_promoted"
+    #: the standby was stopped unused (``reason``: the recovery needs a fresh process, the run
+    #: ended, the supervisor stopped)
+    STANDBY_DISCARDED = "standby_discarded"
+    #: the standby exited on its own (``exit_code``, its log's last line)
+    STANDBY_LOST = "standby_lost"
     #: the worker got SIGTERM (a preemption notice), saved its state (``step``) and exited
     PREEMPTED = "preempted"
     #: the worker process exited (kind when it failed)

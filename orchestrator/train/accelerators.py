@@ -89,3 +89,16 @@ def shutdown_tpu_system(tf, resolver) -> None:
     except (tf.errors.OpError, RuntimeError, ValueError) as exc:
         print(f"[worker] TPU system shutdown before re-initialisation failed ({exc}); "
               f"initialising anyway", flush=True)
+
+
+def gpu_memory_growth() -> None:
+    """Let TensorFlow take GPU memory as it needs it instead of nearly all of it at start, so
+    that a standby worker can hold its model beside the training one (and the training one
+    finds room when the standby is promoted). Before TensorFlow initialises its devices."""
+    import tensorflow as tf
+
+    for gpu in tf.config.list_physical_devices("GPU"):
+        try:
+            tf.config.experimental.set_memory_growth(gpu, True)
+        except RuntimeError as exc:  # devices already initialised: nothing to change now
+            print(f"[worker] GPU memory growth not set ({exc})", flush=True)

@@ -5,6 +5,7 @@ checkpoint (weights, optimizer, RNG, metric and callback state), train from the 
 the checkpoint and heartbeat callbacks, and on any exception write an error record before
 exiting non-zero.
 Exit ``EXIT_CONFIG`` says "this will fail the same way again": the supervisor does not retry it.
+With ``--standby`` it is a standby instead (standby.py): ``prepare`` now, ``run`` once promoted.
 """
 from __future__ import annotations
 
@@ -55,39 +56,46 @@ def apply_overrides(spec: JobSpec, env=None) -> tuple[JobSpec, bool]:
     return dataclasses.replace(spec, **changes), env.get(ENV_REINIT) == "1"
 
 
-def train(spec: JobSpec, rd: RunDir, attempt: int, progress, t_start: float,
-          marks: dict | None = None, notice: PreemptionNotice | None = None) -> dict:
-    """The attempt itself; returns a summary. Raises on any failure.
+@dataclasses.dataclass
+class Prepared:
+    """What an attempt builds before it knows where to resume: everything a standby holds
+    while it waits (``prepare``). ``run`` takes it from here, in a cold attempt right away, in
+    a promoted standby later: one code path for both, so a warm recovery cannot drift."""
 
-    ``marks`` collects seconds since ``t_start`` at each start-up phase (``tf_imported``,
-    ``model_built``, ``restored``), journaled with ``worker_ready``: where a recovery's time goes.
-    """
-    marks = {} if marks is None else marks
-    from orchestrator.train.accelerators import split_cpu
+    spec: JobSpec
+    reinitialise: bool
+    strategy: object
+    described: str
+    replicas: int
+    global_batch: int
+    is_tpu: bool
+    data: object
+    spe: int
+    model: object
+    schedule: object
+    job_callbacks: list
+    val_ds: object
+
+
+def prepare(spec: JobSpec, t_start: float, marks: dict) -> Prepared:
+    """Resolve the strategy, load the data, build and compile the model in its scope (every
+    variable a checkpoint holds exists afterwards). Nothing here depends on the checkpoint or
+    on the attempt number; ``marks['model_built']`` is set."""
+    from orchestrator.train.accelerators import gpu_memory_growth, split_cpu
 
     split_cpu(os.environ.get(CPU_DEVICES_ENV))  # before TensorFlow initialises its devices
+    if spec.standby != "off":  # a standby beside the worker needs GPU memory left to it
+        gpu_memory_growth()
     import keras
     import tensorflow as tf
 
     from orchestrator.train import datasets
-
-    from orchestrator.train import resume
-
-    from orchestrator.train import state
     from orchestrator.train.accelerators import resolve_strategy
-    from orchestrator.train.callbacks import (CallbackStates, CheckpointCallback, FaultCallback, HeartbeatCallback,
-                            LearningRateCallback, OneTraining, ProgressCallback, ResumeState)
 
-    journal = Journal(rd.journal)
-    notice = notice or PreemptionNotice()
-    heart = HeartbeatWriter(rd.control, attempt, spec.heartbeat_interval)
-    heart.beat(force=True, phase="starting")
     keras.utils.set_random_seed(spec.seed)
     if spec.deterministic:
         tf.config.experimental.enable_op_determinism()
     spec, reinitialise = apply_overrides(spec)
-    injector = Injector.from_env(rd.control, attempt, journal)
-
     strategy, described = resolve_strategy(spec.strategy, reinitialise=reinitialise)
     replicas = strategy.num_replicas_in_sync
     global_batch = spec.batch_size * replicas
@@ -100,8 +108,53 @@ def train(spec: JobSpec, rd: RunDir, attempt: int, progress, t_start: float,
     with strategy.scope():
         schedule = jobcode.schedule(spec, model.optimizer)
     job_callbacks = jobcode.job_callbacks(spec)
-    states = CallbackStates(job_callbacks)
+    val_ds = datasets.validation_dataset(data, global_batch, drop_remainder=is_tpu)
     marks["model_built"] = round(time.time() - t_start, 3)
+    return Prepared(spec, reinitialise, strategy, described, replicas, global_batch, is_tpu,
+                    data, spe, model, schedule, job_callbacks, val_ds)
+
+
+def train(spec: JobSpec, rd: RunDir, attempt: int, progress, t_start: float,
+          marks: dict | None = None, notice: PreemptionNotice | None = None) -> dict:
+    """A cold attempt: prepare, then run. Returns a summary. Raises on any failure.
+
+    ``marks`` collects seconds since ``t_start`` at each start-up phase (``tf_imported``,
+    ``model_built``, ``restored``), journaled with ``worker_ready``: where a recovery's time goes.
+    """
+    marks = {} if marks is None else marks
+    heart = HeartbeatWriter(rd.control, attempt, spec.heartbeat_interval)
+    heart.beat(force=True, phase="starting")
+    prep = prepare(spec, t_start, marks)
+    return run(prep, rd, attempt, progress, t_start, marks, notice, heart)
+
+
+def run(prep: Prepared, rd: RunDir, attempt: int, progress, t_start: float, marks: dict,
+        notice: PreemptionNotice | None = None, heart: HeartbeatWriter | None = None,
+        standby: dict | None = None) -> dict:
+    """Restore the newest verified checkpoint into the prepared model, journal
+    ``worker_ready`` and train from the next batch. ``standby``: this process was a standby,
+    promoted (journaled with ``worker_ready``, whose ``warm`` tells a recovery that found the
+    model built and the step traced from a cold one); ``t_start`` is then the promotion, so
+    ``startup_s`` is what the recovery waited for."""
+    import tensorflow as tf
+
+    from orchestrator.train import datasets
+    from orchestrator.train import resume
+    from orchestrator.train import state
+    from orchestrator.train.callbacks import (CallbackStates, CheckpointCallback, FaultCallback, HeartbeatCallback,
+                            LearningRateCallback, OneTraining, ProgressCallback, ResumeState)
+
+    spec, strategy, model = prep.spec, prep.strategy, prep.model
+    described, replicas, global_batch = prep.described, prep.replicas, prep.global_batch
+    spe, data, is_tpu, schedule = prep.spe, prep.data, prep.is_tpu, prep.schedule
+    job_callbacks, val_ds = prep.job_callbacks, prep.val_ds
+    journal = Journal(rd.journal)
+    notice = notice or PreemptionNotice()
+    if heart is None:
+        heart = HeartbeatWriter(rd.control, attempt, spec.heartbeat_interval)
+        heart.beat(force=True, phase="starting")
+    injector = Injector.from_env(rd.control, attempt, journal)
+    states = CallbackStates(job_callbacks)
 
     store = injector.wrap_store(tiers.for_spec(spec))  # commits: local tier
     store.remove_partial()
@@ -136,14 +189,15 @@ def train(spec: JobSpec, rd: RunDir, attempt: int, progress, t_start: float,
     marks["restored"] = round(time.time() - t_start, 3)
     progress.epoch, progress.batch, progress.step = at.epoch, at.batch, at.step
     journal.append(Event.WORKER_READY, source="worker", attempt=attempt, strategy=described,
-                   strategy_kind=described.split()[0].lower(), reinitialised=reinitialise,
+                   strategy_kind=described.split()[0].lower(), reinitialised=prep.reinitialise,
                    batch_size=spec.batch_size, replicas=replicas, global_batch=global_batch,
                    steps_per_epoch=spe,
                    resumed_from_epoch=at.epoch, resumed_from_batch=at.batch,
                    resumed_from_step=at.step, deterministic=spec.deterministic,
                    restored_state_sha256=restored,
                    startup_s=round(time.time() - t_start, 3), started_at=round(t_start, 3),
-                   phases_s=marks)
+                   phases_s=marks, warm=bool(standby and standby["mode"] == "warm"),
+                   **({"standby": standby} if standby else {}))
 
     def not_exact(reasons):
         journal.append(Event.RESUME_NOT_EXACT, source="worker", attempt=attempt, step=at.step,
@@ -154,12 +208,11 @@ def train(spec: JobSpec, rd: RunDir, attempt: int, progress, t_start: float,
     if at.not_exact:
         not_exact(at.not_exact)
     print(f"[worker] attempt {attempt}: {described}, {replicas} replica(s), global batch "
-          f"{global_batch}, resuming at epoch {at.epoch}/{spec.epochs} batch {at.batch}/{spe}",
-          flush=True)
+          f"{global_batch}, resuming at epoch {at.epoch}/{spec.epochs} batch {at.batch}/{spe}"
+          f"{' (a promoted standby)' if standby else ''}", flush=True)
     if at.stopped_early or at.epoch >= spec.epochs:
         return {"epochs": at.epoch, "fingerprint": state.fingerprint(model)}
 
-    val_ds = datasets.validation_dataset(data, global_batch, drop_remainder=is_tpu)
     base_manifest = {"job": spec.name, "training_hash": spec.training_hash(), "attempt": attempt,
                      "global_batch": global_batch, "replicas": replicas,
                      "steps_per_epoch": spe, "deterministic": spec.deterministic}
@@ -254,11 +307,47 @@ def write_error_record(rd: RunDir, attempt: int, exc: BaseException, progress,
         print(f"[worker] could not write the error record: {write_exc}", file=sys.stderr)
 
 
+def guarded(rd: RunDir, attempt: int, progress, body) -> int:
+    """Run an attempt's ``body`` and turn how it ended into the exit status the supervisor
+    classifies: an error record for every failure, ``EXIT_CONFIG`` for the job's own."""
+    try:
+        from orchestrator.train import datasets
+        from orchestrator.train import state
+
+        try:
+            summary = body()
+        except (datasets.DataError, state.StateMismatch) as exc:
+            raise JobError(str(exc)) from exc
+    except Preempted as exc:
+        _journal_preempted(rd, attempt, exc, progress)
+        return EXIT_PREEMPTED
+    except JobError as exc:
+        write_error_record(rd, attempt, exc, progress, fatal=True)
+        print(f"[worker] error: {exc}", file=sys.stderr, flush=True)
+        return EXIT_CONFIG
+    except Exception as exc:  # noqa: BLE001 - every failure is recorded for the supervisor
+        write_error_record(rd, attempt, exc, progress, fatal=False)
+        traceback.print_exc()
+        return 1
+    print(f"[worker] done: {summary['epochs']} epochs, weights sha256 {summary['fingerprint']}",
+          flush=True)
+    return 0
+
+
+def _cold(spec: JobSpec, rd: RunDir, attempt: int, progress, t_start: float, notice) -> dict:
+    jobcode.import_tensorflow()
+    marks = {"tf_imported": round(time.time() - t_start, 3)}
+    return train(spec, rd, attempt, progress, t_start, marks, notice)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m orchestrator.train.worker")
     p.add_argument("job")
     p.add_argument("--run-dir", required=True)
-    p.add_argument("--attempt", type=int, required=True)
+    p.add_argument("--attempt", type=int, required=True,
+                   help="the attempt (a standby: the one it is meant to become)")
+    p.add_argument("--standby", choices=("warm", "import_only"),
+                   help="warm up and wait for a promotion line on stdin")
     args = p.parse_args(argv)
     t_start = time.time()
     notice = PreemptionNotice().install()
@@ -272,32 +361,13 @@ def main(argv=None) -> int:
     except Preempted:
         return EXIT_PREEMPTED
     rd = RunDir.for_spec(spec).make()
+    if args.standby:
+        from orchestrator.train import standby
 
+        return standby.serve(spec, rd, args.attempt, args.standby, notice, t_start)
     progress = Position()
-    try:
-        jobcode.import_tensorflow()
-        marks = {"tf_imported": round(time.time() - t_start, 3)}
-        from orchestrator.train import datasets
-        from orchestrator.train import state
-
-        try:
-            summary = train(spec, rd, args.attempt, progress, t_start, marks, notice)
-        except (datasets.DataError, state.StateMismatch) as exc:
-            raise JobError(str(exc)) from exc
-    except Preempted as exc:
-        _journal_preempted(rd, args.attempt, exc, progress)
-        return EXIT_PREEMPTED
-    except JobError as exc:
-        write_error_record(rd, args.attempt, exc, progress, fatal=True)
-        print(f"[worker] error: {exc}", file=sys.stderr, flush=True)
-        return EXIT_CONFIG
-    except Exception as exc:  # noqa: BLE001 - every failure is recorded for the supervisor
-        write_error_record(rd, args.attempt, exc, progress, fatal=False)
-        traceback.print_exc()
-        return 1
-    print(f"[worker] done: {summary['epochs']} epochs, weights sha256 {summary['fingerprint']}",
-          flush=True)
-    return 0
+    return guarded(rd, args.attempt, progress,
+                    lambda: _cold(spec, rd, args.attempt, progress, t_start, notice))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,155 @@
+"""The standby worker's own pieces: low priority, the traced step, waiting for promotion.
+
+A recovery after a kill used to be a cold start: a new process imports TensorFlow (over half
+of it), builds the model and traces the first step (5 s on ResNet-20). A standby does all of
+that while the active worker trains, then waits on its stdin; the supervisor promotes it by
+writing one line (``{"attempt": N}``) and it becomes attempt N through the very ``run`` a cold
+attempt uses (worker.py), which restores the newest verified checkpoint over whatever the
+standby holds. The pipe closes when the supervisor dies or discards it: then it exits.
+
+It must not slow the worker it stands behind: it lowers the priority of every thread it has
+(Linux nice values are per thread, and TensorFlow's pools are created during the warm-up, so
+they inherit it) and puts it back when promoted. Putting it back needs root or a raised
+RLIMIT_NICE (Colab runs as root); where it cannot, the promoted worker says so in
+``worker_ready`` and trains at the lowered priority, which only matters beside other work.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+import time
+import traceback
+
+from orchestrator.core.rundir import EXIT_PREEMPTED
+
+STANDBY_NICE = 19
+
+
+def _threads() -> list[int]:
+    try:
+        return [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:  # no procfs: the calling thread only
+        return [0]
+
+
+def _set_priority(nice: int) -> None:
+    for tid in _threads():
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, nice)
+        except ProcessLookupError:  # a thread that ended meanwhile
+            continue
+
+
+def lower_priority(nice: int = STANDBY_NICE) -> int:
+    """Every thread of this process to ``nice``; returns the value before."""
+    before = os.getpriority(os.PRIO_PROCESS, 0)
+    _set_priority(max(before, nice))
+    return before
+
+
+def restore_priority(before: int) -> str | None:
+    """Every thread back to ``before``; None when done, else why not (it stays lowered)."""
+    try:
+        _set_priority(before)
+    except PermissionError as exc:
+        return (f"stays at nice {os.getpriority(os.PRIO_PROCESS, 0)}: {exc} (raising a "
+                f"priority needs root or RLIMIT_NICE)")
+    return None
+
+
+def trace(prep) -> None:
+    """One step of ``fit`` on the job's real first batch (and one validation batch), so that
+    the functions the attempt's ``fit`` calls are traced already (Keras keeps them on the
+    model); then every effect of that step is put back: model and optimizer variables
+    (weights, seed generators, iterations, slots), metric state, Python's and NumPy's RNGs.
+    Checked by fingerprint: a standby that cannot put its state back fails its warm-up and the
+    recovery goes cold, rather than train from a state a cold start would not have."""
+    import numpy as np
+
+    from orchestrator.train import datasets, state
+
+    model = prep.model
+    before = state.capture(model)
+    print_before = state.state_fingerprint(model)
+    rngs = random.getstate(), np.random.get_state()
+    ds = datasets.train_dataset(prep.data, prep.spec.seed, 0, 1, prep.global_batch,
+                                drop_remainder=prep.is_tpu)
+    val = prep.val_ds.take(1) if prep.val_ds is not None else None
+    model.fit(ds, validation_data=val, epochs=1, steps_per_epoch=1, verbose=0)
+    with prep.strategy.scope():
+        state.restore(model, before)
+    model.reset_metrics()
+    model.stop_training = False
+    random.setstate(rngs[0])
+    np.random.set_state(rngs[1])
+    after = state.state_fingerprint(model)
+    if after != print_before:
+        raise RuntimeError(f"the traced step could not be undone (state sha256 "
+                           f"{print_before[:12]} before, {after[:12]} after)")
+
+
+def wait_for_promotion(stream) -> dict | None:
+    """Block until the supervisor writes the promotion line; None when the pipe closes (the
+    supervisor discarded this standby or is gone). A line that is not the expected JSON
+    object is an error: the two processes are the same version of this package."""
+    line = stream.readline()
+    if not line:
+        return None
+    order = json.loads(line)
+    if not isinstance(order, dict) or not isinstance(order.get("attempt"), int):
+        raise ValueError(f"promotion line {line!r}: expected {{\"attempt\": N}}")
+    return order
+
+
+def serve(spec, rd, attempt: int, mode: str, notice, t0: float) -> int:
+    """Warm up at low priority, journal ``standby_ready``, wait for the promotion line on
+    stdin, then become ``attempt`` (the number the promotion line gives)."""
+    from orchestrator.core.events import Event
+    from orchestrator.core.heartbeat import Position, resident_bytes
+    from orchestrator.core.journal import Journal
+    from orchestrator.train import jobcode
+    from orchestrator.train.preemption import Preempted
+    from orchestrator.train.worker import guarded, prepare, run
+
+    nice = lower_priority()
+    prep = None
+    try:
+        jobcode.import_tensorflow()
+        marks = {"tf_imported": round(time.time() - t0, 3)}
+        if mode == "warm":
+            prep = prepare(spec, t0, marks)
+            trace(prep)
+            marks["traced"] = round(time.time() - t0, 3)
+        ready_at = time.time()
+        Journal(rd.journal).append(Event.STANDBY_READY, source="worker", for_attempt=attempt,
+                                   pid=os.getpid(), mode=mode, phases_s=marks,
+                                   rss=resident_bytes())
+        print(f"[standby] ready ({mode}) after {ready_at - t0:.1f} s; waiting", flush=True)
+        order = wait_for_promotion(sys.stdin)
+    except Preempted:
+        return EXIT_PREEMPTED
+    except Exception:  # noqa: BLE001 - a standby that cannot warm up is skipped, not fatal
+        traceback.print_exc()
+        print("[standby] failed to warm up; the next recovery is a cold start", flush=True)
+        return 1
+    if order is None:
+        print("[standby] discarded", flush=True)
+        return 0
+    t_start = time.time()
+    n = order["attempt"]
+    why_not = restore_priority(nice)
+    info = {"mode": mode, "waited_s": round(t_start - ready_at, 3),
+            "warm_up_s": round(ready_at - t0, 3), "priority_restored": why_not is None}
+    if why_not:
+        print(f"[standby] priority {why_not}", flush=True)
+    print(f"[standby] promoted to attempt {n}", flush=True)
+    progress = Position()
+
+    def body():
+        marks = {}
+        return run(prep or prepare(spec, t_start, marks), rd, n, progress, t_start, marks,
+                   notice, standby=info)
+
+    return guarded(rd, n, progress, body)
