@@ -283,3 +283,18 @@ def test_a_field_missing_from_the_job_file_takes_its_dataclass_default(write_job
     for f in dataclasses.fields(JobSpec):
         if f.default is not dataclasses.MISSING and f.name not in ("run_dir", "job_path", "checkpoint"):
             assert getattr(spec, f.name) == f.default, f.name
+
+
+@pytest.mark.parametrize("value, mode", [("off", "off"), ("'off'", "off"), ("auto", "auto"),
+                                         ("import_only", "import_only")])
+def test_standby_modes_load_and_a_bare_off_is_the_word_not_false(write_job, value, mode):
+    assert load(write_job(VALID + f"standby: {value}\n")).standby == mode
+
+
+def test_standby_mode_errors_name_the_key_and_the_modes(write_job):
+    path = write_job(VALID + "standby: on\n")  # YAML 1.1: true
+    with pytest.raises(SpecError) as e:
+        load(path)
+    msg = str(e.value)
+    assert msg.startswith(f"{path}:17: key 'standby'"), msg
+    assert "expected one of auto, off, import_only, got True" in msg

@@ -123,6 +123,8 @@ class _Reader:
         if key not in data:
             return default
         v = data[key]
+        if choices and (not isinstance(v, str) or v not in choices):
+            return self.note(full, f"expected one of {', '.join(choices)}, got {v!r}", default)
         if not isinstance(v, str) or not v.strip():
             return self.note(full, f"expected a non-empty string, got {v!r}", default)
         if choices and v not in choices:
@@ -299,6 +301,13 @@ def _callbacks(r: _Reader, v) -> tuple:
     return tuple(out)
 
 
+
+def _off_is_a_word(data: dict, key: str) -> dict:
+    """YAML 1.1 reads a bare ``off`` as false: ``standby: off`` means the mode "off"."""
+    if data.get(key) is False:
+        return dict(data, **{key: "off"})
+    return data
+
 def load(path: str, run_dir: str | None = None) -> JobSpec:
     """Read and validate a job file. ``run_dir`` overrides the file's ``run_dir``."""
     path = os.fspath(path)
@@ -394,7 +403,8 @@ def _read(r: _Reader, data: dict, path: str, run_dir: str | None) -> JobSpec:
                                  0.1),
         stop_grace=r.number(data, "stop_grace", "stop_grace", _JOB["stop_grace"], 0),
         preempt_grace=r.number(data, "preempt_grace", "preempt_grace", _JOB["preempt_grace"], 0),
-        standby=r.string(data, "standby", "standby", _JOB["standby"], STANDBY_MODES),
+        standby=r.string(_off_is_a_word(data, "standby"), "standby", "standby",
+                         _JOB["standby"], STANDBY_MODES),
         probe_interval=r.number(data, "probe_interval", "probe_interval", _JOB["probe_interval"], 0.1),
         lock_stale_after=r.number(data, "lock_stale_after", "lock_stale_after",
                                   _JOB["lock_stale_after"], 2.0),
