@@ -56,6 +56,10 @@ def fake_worker_cmd(spec, attempt):
             "--attempt", str(attempt)]
 
 
+def fake_standby_cmd(spec, attempt, mode):
+    return fake_worker_cmd(spec, attempt) + ["--standby", mode]
+
+
 def fake_env(plan: dict) -> dict:
     import json
 
@@ -64,8 +68,9 @@ def fake_env(plan: dict) -> dict:
     return env
 
 
-def supervise(job, plan, out=None):
-    """Run the real supervisor with the fake worker; return (rc, its output, journal events)."""
+def supervise(job, plan, out=None, standby=False):
+    """Run the real supervisor with the fake worker; return (rc, its output, journal events).
+    ``standby``: with the fake standby (else none, as with any custom worker command)."""
     import io
 
     from orchestrator.core.journal import Journal
@@ -73,7 +78,8 @@ def supervise(job, plan, out=None):
     from orchestrator.supervise.supervisor import Supervisor
 
     out = out if out is not None else io.StringIO()
-    sup = Supervisor(load(job), worker_cmd=fake_worker_cmd, out=out, env=fake_env(plan))
+    sup = Supervisor(load(job), worker_cmd=fake_worker_cmd, out=out, env=fake_env(plan),
+                     standby_cmd=fake_standby_cmd if standby else None)
     rc = sup.run()
     return rc, out.getvalue(), Journal(sup.rd.journal).events()
 

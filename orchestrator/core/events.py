@@ -53,8 +53,7 @@ class Event:
     #: the standby has warmed up (imported TensorFlow; in mode ``warm`` also built the model
     #: and traced the train step) and waits for promotion; ``rss`` is what it holds
     STANDBY_READY = "standby_ready"
-    #: the standby became the next attempt instead of a fresh process (``ready``: it had
-    #: finished warming up)
+    #: the standby (warmed up) became the next attempt instead of a fresh process
     STANDBY_PROMOTED = "standby_promoted"
     #: the standby was stopped unused (``reason``: the recovery needs a fresh process, the run
     #: ended, the supervisor stopped)

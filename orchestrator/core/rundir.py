@@ -92,6 +92,10 @@ class RunDir:
     def attempt_log(self, n: int) -> str:
         return os.path.join(self.attempts, f"{n}.log")
 
+    def standby_log(self, for_attempt: int) -> str:
+        """A standby's output until it is promoted (then it becomes ``attempt_log``)."""
+        return os.path.join(self.attempts, f"standby-{for_attempt}.log")
+
     def error_record(self, n: int) -> str:
         return os.path.join(self.attempts, f"{n}.error.json")
 

@@ -46,6 +46,11 @@ class Remedies:
         """What the last worker got ready on (its ``worker_ready`` event), if it did."""
         self._ran_on = strategy or self._ran_on
 
+    @property
+    def seen(self) -> str | None:
+        """The accelerator the last probe saw (tpu_node | tpu_vm | gpu | cpu)."""
+        return self._seen
+
     def probed(self, result: probes.ProbeResult) -> None:
         """What the last accelerator probe saw (the supervisor probes before each attempt)."""
         self._seen = result.accelerator

@@ -8,8 +8,8 @@ periodic ``Every`` ticks; a worker that stays silent past the hang clock is dump
 reported with its heartbeat age. What comes back is an ``Outcome``: exit status, duration, hang
 age and the worker's own error record. Nothing here classifies or recovers.
 
-The queue is the supervisor's, not the attempt's, so an attempt that later holds several
-workers (a group, a standby) waits on the same events.
+The queue is the supervisor's, not the attempt's, so the standby (standby.py) feeds its exit
+to the same queue: once promoted, its process is this attempt's (``adopt``).
 """
 from __future__ import annotations
 
@@ -94,24 +94,42 @@ class Attempt:
         self.phase = Phase.NEW
         self.t0 = 0.0
 
-    def start(self, from_epoch: int) -> None:
+    def start(self, from_epoch: int, path: dict | None = None) -> None:
+        """Spawn the worker. ``path``: how this attempt started, journaled with
+        ``attempt_started`` (a cold start, and why it was not a promoted standby)."""
         self.t0 = time.time()
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, start_new_session=True,
                                          env=self.env, cwd=self.cwd)
         proc = self.proc
+        self._running(from_epoch, path)
+        threading.Thread(target=lambda: self.events.put(("exit", proc, proc.wait())),
+                         name=f"wait-attempt-{self.n}", daemon=True).start()
+
+    def adopt(self, proc: subprocess.Popen, from_epoch: int, path: dict) -> None:
+        """A promoted standby (supervise/standby.py) is this attempt: its process is already
+        running, in its own group, its exit already fed to the same queue."""
+        self.t0 = time.time()
+        self.proc = proc
+        self._running(from_epoch, path)
+
+    def _running(self, from_epoch: int, path: dict | None) -> None:
+        proc = self.proc
         self.phase = Phase.RUNNING
         self._cgroups = oom.memory_cgroups(proc.pid)
         self._oom_before = oom.snapshot(self._cgroups)
         self.hang.start(self.n)
         self.journal.append(Event.ATTEMPT_STARTED, attempt=self.n, pid=proc.pid,
-                            host=os.uname().nodename, from_epoch=from_epoch, log=self.log)
-        threading.Thread(target=lambda: self.events.put(("exit", proc, proc.wait())),
-                         name=f"wait-attempt-{self.n}", daemon=True).start()
+                            host=os.uname().nodename, from_epoch=from_epoch, log=self.log,
+                            **(path or {}))
 
-    def wait(self, on_checkpoint: Callable[[], None], duties: list[Every]) -> Outcome:
-        """Until the worker exits (or is stopped as hung). Raises ``Stopped`` on a stop."""
+    def wait(self, on_checkpoint: Callable[[], None], duties: list[Every],
+             on_training: Callable[[], None] | None = None,
+             on_other_exit: Callable[[object, int], None] | None = None) -> Outcome:
+        """Until the worker exits (or is stopped as hung). Raises ``Stopped`` on a stop.
+        ``on_training``: once, at its first heartbeat past start-up (a standby may start then);
+        ``on_other_exit(proc, rc)``: another process on the queue exited (the standby)."""
         for d in duties:
             d.arm()
         hang_age = None
@@ -129,6 +147,11 @@ class Attempt:
                 on_checkpoint()
             elif item[0] == "heartbeat":
                 self.hang.beat()
+                if self.hang.training and on_training is not None:
+                    on_training()
+                    on_training = None
+            elif item[0] == "exit" and on_other_exit is not None:
+                on_other_exit(item[1], item[2])
             elif item[0] == "stop":
                 raise Stopped()
             if self.hang.remaining() <= 0:

@@ -54,6 +54,7 @@ from orchestrator.supervise.controlmirror import ControlMirror, Outage
 from orchestrator.supervise.finish import RunEnd, summary
 from orchestrator.supervise.hangs import HangClock, HeartbeatEvents
 from orchestrator.supervise.ledger import CheckpointLedger
+from orchestrator.supervise.standby import Keeper
 
 # A run directory that does not answer at start is retried this long (a Drive mount that is
 # remounting takes seconds), then the start fails with a clear message.
@@ -84,20 +85,29 @@ def worker_command(spec: JobSpec, attempt: int) -> list[str]:
             "--run-dir", spec.run_dir, "--attempt", str(attempt)]
 
 
+def standby_command(spec: JobSpec, attempt: int, mode: str) -> list[str]:
+    return worker_command(spec, attempt) + ["--standby", mode]
+
+
 def export_command(spec: JobSpec) -> list[str]:
     return [sys.executable, "-m", "orchestrator.train.export", spec.run_dir]
 
 
 class Supervisor:
     def __init__(self, spec: JobSpec, worker_cmd=worker_command, out=None, env=None,
-                 faults=(), force: bool = False, remount=None, export_cmd="auto"):
+                 faults=(), force: bool = False, remount=None, export_cmd="auto",
+                 standby_cmd="auto"):
         """``force`` resumes under a changed training hash. ``remount(durable_dir)`` replaces
         the job's ``checkpoint.remount`` hook (a notebook may pass its own). ``export_cmd(spec)``
-        is the exporter; "auto" means the real one with the real worker and none with a custom
-        worker command (tests' fake workers)."""
+        is the exporter, ``standby_cmd(spec, attempt, mode)`` the standby worker; "auto" means
+        the real one with the real worker and none with a custom worker command (tests' fake
+        workers)."""
         self.spec, self.force, self.worker_cmd, self.env = spec, force, worker_cmd, env
         if export_cmd == "auto":
             export_cmd = export_command if worker_cmd is worker_command else None
+        if standby_cmd == "auto":
+            standby_cmd = standby_command if worker_cmd is worker_command else None
+        self.standby_cmd = standby_cmd
         self.faults = [faults_mod.parse(f).text for f in faults]
         self.rd = RunDir.for_spec(spec)
         self.out = out or sys.stdout
@@ -136,6 +146,10 @@ class Supervisor:
                           run_dir_back=self.control.flush)
         self._accel_ok: bool | None = None
         self._attempts_before = 0
+        self.standby = Keeper(spec, standby_cmd, self.rd, self.q, self.journal,
+                              env=self._attempt_env, strategy=self.remedies.current_strategy,
+                              accelerator=lambda: self.remedies.seen,
+                              stopping=self._stop.is_set)
 
     # ------------------------------------------------------------------ public
     def run(self) -> int:
@@ -161,6 +175,7 @@ class Supervisor:
             return EXIT_STOPPED
         finally:
             self._stop_worker()
+            self.standby.discard("the supervisor stopped")
             if observer.is_alive():
                 observer.stop()
                 observer.join(timeout=5)
@@ -203,11 +218,13 @@ class Supervisor:
             decision = self.policy.decide(failure)
             self._apply(outcome, decision)
             if decision.action == GIVE_UP:
+                self.standby.discard("the run failed")
                 return self.end.failed(outcome, decision, failure.evidence,
                                        self.ledger.latest_epoch(), self._counters())
             self._restart(outcome, decision)
         if self.lock_lost is not None:
             raise Stopped()  # the run is another supervisor's now: it completes it
+        self.standby.discard("the run completed")
         return self.end.completed(self.ledger.latest(), self._counters())
 
     def _run_attempt(self) -> Outcome:
@@ -217,14 +234,21 @@ class Supervisor:
             if self._stop.is_set():
                 raise Stopped()
         self._probe_accelerator(attempt=n)
-        self.attempt = Attempt(n, self.worker_cmd(self.spec, n), self._attempt_env(consume=True),
+        env = self._attempt_env(consume=True)
+        self.attempt = Attempt(n, self.worker_cmd(self.spec, n), env,
                                self.spec.job_dir, self.rd.attempt_log(n), self.q, self.hang,
                                self.journal, self.say, self.rd.error_record(n),
                                self.spec.stop_grace)
-        self.attempt.start(self.ledger.latest_epoch())
+        promoted, path = self.standby.promote(n, env)  # or, with why not, a cold start
+        if promoted is not None:
+            self.attempt.adopt(promoted, self.ledger.latest_epoch(), path)
+        else:
+            self.attempt.start(self.ledger.latest_epoch(), path)
         self.progress.attempt_started(n, self.ledger.latest_epoch())
-        outcome = self.attempt.wait(on_checkpoint=self.ledger.scan, duties=[
-            Every(self.spec.probe_interval, lambda: self._probe_accelerator(n, running=True))])
+        outcome = self.attempt.wait(
+            on_checkpoint=self.ledger.scan, on_training=lambda: self.standby.start(n + 1),
+            on_other_exit=lambda proc, rc: self.standby.exited(proc, rc, n + 1), duties=[
+                Every(self.spec.probe_interval, lambda: self._probe_accelerator(n, running=True))])
         self.attempt = None
         self.ledger.scan()
         self.remedies.ran_on(self._ready_strategy(n))
@@ -248,6 +272,8 @@ class Supervisor:
 
     def _apply(self, outcome: Outcome, decision: Decision) -> None:
         """Carry out the action (none for give_up) and journal it with the policy's reason."""
+        if decision.action != GIVE_UP:  # before the action: a reinstall must not run beside it
+            self.standby.check(decision.action, self._attempt_env())
         if decision.action == GIVE_UP:
             detail, fields = decision.reason, {}
         else:

@@ -14,7 +14,11 @@ plan in $FAKE_PLAN (JSON) says, per attempt number:
    "stop_early": {"1": 2},      attempt 1 ends training after epoch 2, as EarlyStopping does
    "child": ["1"],              attempt 1 starts a child in its process group (a data loader)
    "ignore_sigterm": ["1"],     attempt 1 ignores SIGTERM (only SIGKILL stops it)
-   "allocate_mb": {"1": 300}}   attempt 1 allocates 300 MiB (an OOM kill under a cgroup limit)
+   "allocate_mb": {"1": 300},   attempt 1 allocates 300 MiB (an OOM kill under a cgroup limit)
+   "standby_warm_s": 0.3,       a standby (--standby) warms up this long, then waits on stdin
+   "standby_exit": {"3": 1}}    the standby meant for attempt 3 exits 1 while warming up
+With --standby MODE it is a standby: it journals ``standby_ready``, waits for the promotion
+line on stdin as the real one does (train/standby.py) and then trains as the attempt it names.
 Like the real worker it journals ``worker_ready`` (with steps_per_epoch) and ``first_step``,
 beats ``heartbeat.json`` with epoch/batch, and prints TensorFlow-like log noise to its output.
 Each attempt writes fake-N.pid and fake-N.env.json (the recovery overrides it was given).
@@ -53,9 +57,12 @@ def main():
     p.add_argument("job")
     p.add_argument("--run-dir", required=True)
     p.add_argument("--attempt", type=int, required=True)
+    p.add_argument("--standby")
     a = p.parse_args()
     register_stack_dump()
     plan = json.loads(os.environ.get("FAKE_PLAN", "{}"))
+    if a.standby:
+        a.attempt = _stand_by(a, plan)
     n = str(a.attempt)
     spec = load(a.job, run_dir=a.run_dir)
     rd = RunDir.for_spec(spec)
@@ -101,6 +108,27 @@ def main():
     sys.exit(0)
 
 
+def _stand_by(a, plan) -> int:
+    """Warm up, journal standby_ready, wait for the promotion line; the attempt it names."""
+    from orchestrator.train.standby import wait_for_promotion
+
+    spec = load(a.job, run_dir=a.run_dir)
+    rd = RunDir.for_spec(spec)
+    write_atomic(os.path.join(rd.root, f"fake-standby-{a.attempt}.pid"),
+                 str(os.getpid()).encode())
+    time.sleep(plan.get("standby_warm_s", 0.05))
+    code = plan.get("standby_exit", {}).get(str(a.attempt))
+    if code is not None:
+        print(f"[fake standby] failed to warm up (planned exit {code})", flush=True)
+        sys.exit(code)
+    Journal(rd.journal).append("standby_ready", source="worker", for_attempt=a.attempt,
+                               pid=os.getpid(), mode=a.standby)
+    order = wait_for_promotion(sys.stdin)
+    if order is None:
+        sys.exit(0)
+    return order["attempt"]
+
+
 def train(spec, rd, attempt, plan, progress):
     n = str(attempt)
     journal = Journal(rd.journal)
@@ -118,7 +146,7 @@ def train(spec, rd, attempt, plan, progress):
     stop = plan.get("exit_at_epoch", {}).get(n)
     batches = int(plan.get("batches", 1))
     journal.append("worker_ready", source="worker", attempt=attempt, strategy="fake",
-                   steps_per_epoch=batches, resumed_from_epoch=start)
+                   steps_per_epoch=batches, resumed_from_epoch=start, pid=os.getpid())
     TERM["training"] = True
     for epoch in range(start + 1, spec.epochs + 1):
         progress.epoch = epoch - 1

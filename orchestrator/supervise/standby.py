@@ -1,0 +1,218 @@
+"""The warm standby: one worker process kept ready behind the training one.
+
+A recovery after a kill was a cold start (a new process importing TensorFlow, building the
+model, tracing the first step: 7.6 s on digits, 12 s on ResNet-20, measured in bench/). The
+standby does that while the active worker trains, at the lowest priority, and then waits on
+its stdin (train/standby.py). When the active worker fails and the policy's action is a plain
+restart, the supervisor promotes it: one line on that pipe makes it the next attempt, which
+restores the newest verified checkpoint through the very code a cold attempt runs. A pipe,
+not a file, so that a standby cannot outlive the supervisor (its read ends) and no stale
+promotion can be found by a later one.
+
+What keeps it from doing harm, decided here: it starts only once the active worker trains
+(it must not steal its start-up); a recovery that needs a fresh process (a reinstalled or
+reinitialised TensorFlow, another batch size or strategy: any change to the worker's
+environment) discards it; one that died or failed to warm up is journaled and the recovery is
+cold, and so is one still warming up (had it failed its warm-up once promoted, the attempt
+would have failed with it). Supervisor side: never imports TensorFlow.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import signal
+import subprocess
+import threading
+import time
+from typing import Callable
+
+from orchestrator.core.events import Event
+from orchestrator.core.journal import Journal
+from orchestrator.core.kinds import Action
+from orchestrator.core.rundir import RunDir
+from orchestrator.core.spec import JobSpec
+from orchestrator.recovery.failures import read_tail
+
+WARM = "warm"                # imported, built, compiled, traced
+IMPORT_ONLY = "import_only"  # imported TensorFlow only (a TPU the active worker holds)
+
+
+def mode_for(setting: str, strategy: str, accelerator: str | None) -> tuple[str | None, str]:
+    """The standby mode for the job's ``standby`` setting on this strategy (tpu|gpu|cpu) and
+    the accelerator the last probe saw, with why; None: no standby.
+
+    ``auto``: CPU and GPU get a full warm standby (on a GPU both workers use memory growth).
+    A TPU node (reached over gRPC) admits one client session that initialises it, so its standby
+    only imports TensorFlow. On a TPU VM, libtpu is loaded when TensorFlow is imported and only
+    one process may hold it: a standby that imported TensorFlow beside the training worker
+    would have no TPU when promoted, so there is none."""
+    if setting == "off":
+        return None, "standby: off"
+    if setting == IMPORT_ONLY:
+        return IMPORT_ONLY, "standby: import_only"
+    if strategy == "tpu":
+        if accelerator == "tpu_node":
+            return IMPORT_ONLY, "auto on a TPU node: TensorFlow imported only"
+        return None, "auto on a TPU VM: libtpu admits one process"
+    return WARM, f"auto on {strategy}"
+
+
+def _overrides(env: dict) -> dict:
+    """What a recovery action changes for the next worker: its ORCHESTRATOR_* variables."""
+    return {k: v for k, v in env.items() if k.startswith("ORCHESTRATOR_")}
+
+
+class Standby:
+    """One standby process, meant to become attempt ``for_attempt``."""
+
+    def __init__(self, for_attempt: int, mode: str, cmd: list[str], env: dict, cwd: str,
+                 log: str, events: queue.Queue, journal: Journal):
+        self.for_attempt, self.mode, self.cmd, self.env = for_attempt, mode, cmd, env
+        self.cwd, self.log, self.events, self.journal = cwd, log, events, journal
+        self.proc: subprocess.Popen | None = None
+        self.t0 = 0.0
+
+    def start(self) -> "Standby":
+        self.t0 = time.time()
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.PIPE, start_new_session=True,
+                                         env=self.env, cwd=self.cwd)
+        proc = self.proc
+        self.journal.append(Event.STANDBY_STARTED, for_attempt=self.for_attempt, pid=proc.pid,
+                            mode=self.mode, log=self.log)
+        # the same queue and item as an attempt's: once promoted, Attempt.wait sees its exit
+        threading.Thread(target=lambda: self.events.put(("exit", proc, proc.wait())),
+                         name=f"wait-standby-{self.for_attempt}", daemon=True).start()
+        return self
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def ready(self) -> bool:
+        """It journaled ``standby_ready``: warmed up and waiting."""
+        pid = self.proc.pid if self.proc else None
+        return any(e.get("pid") == pid and e.get("for_attempt") == self.for_attempt
+                   for e in self.journal.iter(Event.STANDBY_READY))
+
+    def unfit(self, action: str, env: dict) -> str | None:
+        """Why this standby cannot become the next attempt (None: it can)."""
+        if action != Action.RESTART:
+            return f"the recovery action {action} needs a fresh process"
+        if not self.alive():
+            return f"it exited ({self.exit_line()})"
+        changed = sorted(k for k in set(_overrides(env)) | set(_overrides(self.env))
+                         if _overrides(env).get(k) != _overrides(self.env).get(k))
+        if changed:
+            return f"the next attempt's settings changed ({', '.join(changed)})"
+        return None
+
+    def exit_line(self) -> str:
+        rc = self.proc.poll() if self.proc else None
+        lines = [ln for ln in read_tail(self.log, 4096).splitlines() if ln.strip()]
+        return f"exit code {rc}" + (f": {lines[-1].strip()[:200]}" if lines else "")
+
+    def promote(self, attempt: int, log: str) -> subprocess.Popen:
+        """Make it attempt ``attempt``: its log becomes the attempt's, then the promotion line.
+        Raises ``OSError`` (a broken pipe) when it died just now: the caller goes cold."""
+        if self.log != log:
+            os.replace(self.log, log)  # its open descriptor follows the file
+            self.log = log
+        self.proc.stdin.write(json.dumps({"attempt": attempt}).encode() + b"\n")
+        self.proc.stdin.close()
+        return self.proc
+
+    def discard(self, reason: str) -> None:
+        """Kill its whole process group (nothing in it is worth saving) and journal why."""
+        if self.proc is None:
+            return
+        alive = self.alive()
+        with contextlib.suppress(ProcessLookupError):  # the whole group is gone already
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        if self.proc.stdin and not self.proc.stdin.closed:
+            with contextlib.suppress(BrokenPipeError):  # its reader is gone: nothing to flush
+                self.proc.stdin.close()
+        self.journal.append(Event.STANDBY_DISCARDED, for_attempt=self.for_attempt,
+                            pid=self.proc.pid, reason=reason, was_alive=alive,
+                            age_s=round(time.time() - self.t0, 3))
+
+
+class Keeper:
+    """The supervisor's one standby slot: when to start one, whether the next attempt may be
+    it, and what is journaled either way (``attempt_started``'s ``path``: the mode of the
+    promoted standby, or ``cold`` with a ``cold_reason``)."""
+
+    def __init__(self, spec: JobSpec, cmd: Callable | None, rd: RunDir, events: queue.Queue,
+                 journal: Journal, env: Callable[[], dict], strategy: Callable[[], str],
+                 accelerator: Callable[[], str | None], stopping: Callable[[], bool]):
+        self.spec, self.cmd, self.rd, self.events, self.journal = spec, cmd, rd, events, journal
+        self.env, self.strategy, self.accelerator = env, strategy, accelerator
+        self.stopping = stopping
+        self.current: Standby | None = None
+        self._replaced: set[int] = set()  # attempts whose lost standby was replaced once
+
+    def mode(self) -> tuple[str | None, str]:
+        if self.cmd is None:
+            return None, "no standby with this worker command"
+        return mode_for(self.spec.standby, self.strategy(), self.accelerator())
+
+    def start(self, for_attempt: int) -> None:
+        """Behind a worker that trains (its start-up done), when the job and strategy allow."""
+        mode, _ = self.mode()
+        if self.current is not None or mode is None or self.stopping():
+            return
+        self.current = Standby(for_attempt, mode, self.cmd(self.spec, for_attempt, mode),
+                               self.env(), self.spec.job_dir, self.rd.standby_log(for_attempt),
+                               self.events, self.journal).start()
+
+    def exited(self, proc, rc: int, for_attempt: int) -> None:
+        """A process on the queue that is not the attempt's exited: if it is the standby, it
+        is lost; it is replaced once per attempt (one that keeps failing is not a loop)."""
+        sb = self.current
+        if sb is None or proc is not sb.proc:
+            return
+        self.current = None
+        self.journal.append(Event.STANDBY_LOST, for_attempt=sb.for_attempt, pid=proc.pid,
+                            exit_code=rc, detail=sb.exit_line())
+        if for_attempt not in self._replaced:
+            self._replaced.add(for_attempt)
+            self.start(for_attempt)
+
+    def check(self, action: str, env: dict) -> None:
+        """Before a recovery action: discard the standby if the next attempt cannot be it
+        (a reinstall or a reinitialised TPU must not have it beside them)."""
+        if self.current is not None:
+            why = self.current.unfit(action, env)
+            if why:
+                self.discard(why)
+
+    def promote(self, n: int, env: dict):
+        """(the standby's process, how attempt ``n`` started) or (None, why it starts cold)."""
+        sb, self.current = self.current, None
+        if sb is None:
+            mode, why = self.mode()
+            return None, {"path": "cold", "cold_reason": why if mode is None else (
+                "no standby was up" if n > 1 else "the first attempt")}
+        reason = sb.unfit(Action.RESTART, env)
+        if reason is None and not sb.ready():
+            # not promoted: one that then failed its warm-up would fail the attempt, and
+            # the recovery must not depend on it
+            reason = f"it was still warming up ({time.time() - sb.t0:.1f} s)"
+        if reason is None:
+            try:
+                proc = sb.promote(n, self.rd.attempt_log(n))
+            except OSError as exc:  # it died between the check and the line
+                reason = f"its pipe failed ({exc})"
+            else:
+                self.journal.append(Event.STANDBY_PROMOTED, attempt=n, pid=proc.pid,
+                                    mode=sb.mode)
+                return proc, {"path": sb.mode, "standby_age_s": round(time.time() - sb.t0, 3)}
+        sb.discard(reason)
+        return None, {"path": "cold", "cold_reason": f"the standby was unfit: {reason}"}
+
+    def discard(self, reason: str) -> None:
+        sb, self.current = self.current, None
+        if sb is not None:
+            sb.discard(reason)

@@ -1,0 +1,146 @@
+"""The warm standby, supervisor side, with fake workers (no TensorFlow): when one starts, when
+the next attempt is it, when it is discarded, and that none outlives the run."""
+import os
+import sys
+import time
+
+import pytest
+
+from conftest import supervise
+from orchestrator.core.journal import Journal
+from orchestrator.core.osutil import pid_alive
+from orchestrator.supervise.standby import IMPORT_ONLY, WARM, Standby, mode_for
+
+SLOW = {"epoch_s": 0.6}  # epochs long enough for a standby to be up before the kill at epoch 3
+
+
+def _ev(events, name):
+    return [e for e in events if e["event"] == name]
+
+
+def _pid(run, name):
+    with open(os.path.join(run, name)) as f:
+        return int(f.read())
+
+
+def _all_gone(events):
+    for e in _ev(events, "standby_started"):
+        deadline = time.time() + 2
+        while pid_alive(e["pid"]) and time.time() < deadline:
+            time.sleep(0.02)
+        assert not pid_alive(e["pid"]), e
+
+
+def test_a_killed_worker_is_replaced_by_the_warm_standby_and_a_new_one_starts(fake_job, tmp_path):
+    plan = dict(SLOW, exit_at_epoch={"1": [3, -9]})
+    rc, out, events = supervise(fake_job(epochs=4), plan, standby=True)
+    assert rc == 0, out
+    run = str(tmp_path / "run")
+    started = _ev(events, "attempt_started")
+    assert [e["path"] for e in started] == ["cold", "warm"]
+    assert started[0]["cold_reason"] == "the first attempt"
+    # attempt 2 is the standby's process, which trains and journals its own pid
+    assert started[1]["pid"] == _pid(run, "fake-standby-2.pid") == _pid(run, "fake-2.pid")
+    assert _ev(events, "worker_ready")[1]["pid"] == started[1]["pid"]
+    promoted = _ev(events, "standby_promoted")
+    assert [(e["attempt"], e["mode"]) for e in promoted] == [(2, "warm")]
+    # a new standby behind the promoted one, discarded at the end; none outlives the run
+    assert [e["for_attempt"] for e in _ev(events, "standby_started")] == [2, 3]
+    assert [e["reason"] for e in _ev(events, "standby_discarded")] == ["the run completed"]
+    assert [e["epoch"] for e in _ev(events, "epoch_completed")] == [1, 2, 3, 4]
+    assert os.path.exists(os.path.join(run, "attempts", "2.log"))  # its log became the attempt's
+    _all_gone(events)
+
+
+def test_a_standby_starts_only_once_the_worker_trains(fake_job):
+    _, _, events = supervise(fake_job(epochs=2), SLOW, standby=True)
+    names = [(e["event"], e.get("attempt", e.get("for_attempt"))) for e in events]
+    first_beat = names.index(("first_step", 1))
+    assert names.index(("standby_started", 2)) > first_beat - 1
+    ready = next(e for e in events if e["event"] == "worker_ready")
+    assert _ev(events, "standby_started")[0]["ts"] >= ready["ts"]
+
+
+def test_an_action_that_needs_a_fresh_process_discards_the_standby(fake_job):
+    job = fake_job(epochs=4, extra="recovery: {ladders: {unknown: [reinit_accelerator, restart]}}")
+    plan = dict(SLOW, exit_at_epoch={"1": [3, 1]})
+    rc, out, events = supervise(job, plan, standby=True)
+    assert rc == 0, out
+    discarded = _ev(events, "standby_discarded")
+    assert discarded[0]["for_attempt"] == 2 and discarded[0]["was_alive"]
+    assert "reinit_accelerator needs a fresh process" in discarded[0]["reason"]
+    # discarded before the action is journaled (a reinstall must not run beside it)
+    order = [e["event"] for e in events]
+    assert order.index("standby_discarded") < order.index("recovery")
+    started = _ev(events, "attempt_started")
+    assert [e["path"] for e in started] == ["cold", "cold"]
+    assert started[1]["cold_reason"] == "no standby was up"
+    assert not _ev(events, "standby_promoted")
+    _all_gone(events)
+
+
+def test_a_standby_that_fails_to_warm_up_is_replaced_once_then_the_recovery_is_cold(fake_job):
+    plan = dict(SLOW, exit_at_epoch={"1": [4, -9]}, standby_exit={"2": 1})
+    rc, out, events = supervise(fake_job(epochs=5), plan, standby=True)
+    assert rc == 0, out
+    lost = _ev(events, "standby_lost")
+    assert [(e["for_attempt"], e["exit_code"]) for e in lost] == [(2, 1), (2, 1)]
+    assert "failed to warm up (planned exit 1)" in lost[0]["detail"]
+    started = _ev(events, "attempt_started")
+    assert [e["path"] for e in started] == ["cold", "cold"]
+    assert sum(e["event"] == "attempt_ended" for e in events) == 2  # no attempt lost to it
+    # behind attempt 2 a standby (for attempt 3) starts again; the run never waited on one
+    assert [e["for_attempt"] for e in _ev(events, "standby_started")] == [2, 2, 3]
+    _all_gone(events)
+
+
+def test_a_standby_still_warming_up_is_not_promoted_the_recovery_is_cold(fake_job):
+    plan = dict(SLOW, exit_at_epoch={"1": [3, -9]}, standby_warm_s=30)
+    rc, out, events = supervise(fake_job(epochs=4), plan, standby=True)
+    assert rc == 0, out
+    started = _ev(events, "attempt_started")
+    assert started[1]["path"] == "cold"
+    assert "it was still warming up" in started[1]["cold_reason"]
+    assert "it was still warming up" in _ev(events, "standby_discarded")[0]["reason"]
+    _all_gone(events)
+
+
+def test_standby_off_starts_none(fake_job):
+    rc, _, events = supervise(fake_job(epochs=3, extra="standby: off"),
+                              dict(SLOW, exit_at_epoch={"1": [2, -9]}), standby=True)
+    assert rc == 0
+    assert not _ev(events, "standby_started")
+    assert [e.get("cold_reason") for e in _ev(events, "attempt_started")] == [
+        "standby: off", "standby: off"]
+
+
+@pytest.mark.parametrize("setting, strategy, accelerator, mode", [
+    ("auto", "cpu", "cpu", WARM),
+    ("auto", "gpu", "gpu", WARM),
+    ("auto", "tpu", "tpu_node", IMPORT_ONLY),
+    ("auto", "tpu", "tpu_vm", None),
+    ("import_only", "cpu", "cpu", IMPORT_ONLY),
+    ("off", "cpu", "cpu", None),
+])
+def test_the_mode_per_setting_and_strategy(setting, strategy, accelerator, mode):
+    assert mode_for(setting, strategy, accelerator)[0] == mode
+
+
+def test_a_standby_is_unfit_when_the_next_attempt_s_settings_changed(tmp_path):
+    import queue
+
+    log = str(tmp_path / "standby.log")
+    sb = Standby(2, WARM, [sys.executable, "-c", "import sys; sys.stdin.readline()"],
+                 dict(os.environ, ORCHESTRATOR_BATCH_SIZE="16"), str(tmp_path), log,
+                 queue.Queue(), Journal(str(tmp_path / "events.jsonl"))).start()
+    try:
+        same = dict(os.environ, ORCHESTRATOR_BATCH_SIZE="16")
+        assert sb.unfit("restart", same) is None
+        assert "ORCHESTRATOR_BATCH_SIZE" in sb.unfit("restart", dict(os.environ))
+        assert "ORCHESTRATOR_STRATEGY" in sb.unfit(
+            "restart", dict(same, ORCHESTRATOR_STRATEGY="cpu"))
+        assert "halve_batch needs a fresh process" in sb.unfit("halve_batch", same)
+    finally:
+        sb.discard("test over")
+    sb.proc.wait(5)
+    assert "exited" in sb.unfit("restart", same)
