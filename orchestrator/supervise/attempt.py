@@ -128,7 +128,8 @@ class Attempt:
              on_training: Callable[[], None] | None = None,
              on_other_exit: Callable[[object, int], None] | None = None) -> Outcome:
         """Until the worker exits (or is stopped as hung). Raises ``Stopped`` on a stop.
-        ``on_training``: once, at its first heartbeat past start-up (a standby may start then);
+        ``on_training``: once, at its first heartbeat after a training step (a standby may
+        start then: the worker's start-up and first-step tracing are over);
         ``on_other_exit(proc, rc)``: another process on the queue exited (the standby)."""
         for d in duties:
             d.arm()
@@ -147,7 +148,7 @@ class Attempt:
                 on_checkpoint()
             elif item[0] == "heartbeat":
                 self.hang.beat()
-                if self.hang.training and on_training is not None:
+                if self.hang.stepped and on_training is not None:
                     on_training()
                     on_training = None
             elif item[0] == "exit" and on_other_exit is not None:

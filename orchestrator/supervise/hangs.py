@@ -16,6 +16,10 @@ from watchdog.events import FileSystemEventHandler
 
 from orchestrator.core import heartbeat
 
+# Heartbeat phases written once a training step is done (train/callbacks.py); before them come
+# "starting" (imports, build, restore) and "train_begin" (the first step, traced).
+STEPPED = ("training", "validation", "epoch_end")
+
 
 class HeartbeatEvents(FileSystemEventHandler):
     """Puts ("heartbeat",) on the supervisor's queue whenever heartbeat.json is replaced."""
@@ -46,11 +50,12 @@ class HangClock:
         self.attempt = None
         self.last = time.monotonic()
         self.last_wall = time.time()
-        self.training = False
+        self.training = False  # past start-up: the hang timeout applies
+        self.stepped = False   # a training step is done (a standby may start)
         self.paused = False  # the worker is stopped on purpose (core/lock.py's lease)
 
     def start(self, attempt: int) -> None:
-        self.attempt, self.training = attempt, False
+        self.attempt, self.training, self.stepped = attempt, False, False
         self.last, self.last_wall = time.monotonic(), time.time()
 
     def beat(self) -> None:
@@ -61,6 +66,8 @@ class HangClock:
         self.last, self.last_wall = time.monotonic(), float(rec.get("time", time.time()))
         if rec.get("phase") != "starting":
             self.training = True
+        if rec.get("phase") in STEPPED:
+            self.stepped = True
 
     def pause(self) -> None:
         self.paused = True

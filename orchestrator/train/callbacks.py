@@ -224,12 +224,15 @@ class HeartbeatCallback(keras.callbacks.Callback):
     def __init__(self, writer: HeartbeatWriter, progress: Position):
         super().__init__()
         self.writer, self.progress = writer, progress
+        self._stepped = False
 
     def on_train_begin(self, logs=None):
-        self.writer.beat(force=True, phase="training", **self.progress.as_dict())
+        self.writer.beat(force=True, phase="train_begin", **self.progress.as_dict())
 
     def on_train_batch_end(self, batch, logs=None):
-        self.writer.beat(phase="training", **self.progress.as_dict())
+        # the first step is told at once: the supervisor starts the standby on it
+        self.writer.beat(force=not self._stepped, phase="training", **self.progress.as_dict())
+        self._stepped = True
 
     def on_test_batch_end(self, batch, logs=None):  # a long validation is not a hang
         self.writer.beat(phase="validation", **self.progress.as_dict())
