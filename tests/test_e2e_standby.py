@@ -1,0 +1,139 @@
+"""The warm standby with real TensorFlow workers: killed runs whose recoveries were promoted
+standbys end with the uninterrupted run's weights, bit for bit."""
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import ROOT
+from orchestrator.core import heartbeat
+from orchestrator.core.journal import Journal
+
+pytestmark = pytest.mark.e2e
+
+JOB = """
+name: digits-standby
+model: digits_job:build_model
+data: digits_job:load_data
+compile: {optimizer: adam, loss: sparse_categorical_crossentropy, metrics: [accuracy]}
+epochs: 70
+batch_size: 32
+strategy: cpu
+seed: 5
+deterministic: true
+learning_rate: {schedule: step_decay, factor: 0.9, every: 5}
+checkpoint: {every_epochs: 1, every_steps: 10, keep: 2}
+restarts: {max: 4, backoff: {initial: 0.2, max: 1}}
+heartbeat_interval: 0.05
+"""
+
+
+def _job(tmp_path, name, standby):
+    d = tmp_path / name
+    d.mkdir()
+    shutil.copy(os.path.join(ROOT, "jobs", "digits", "digits_job.py"), d)
+    p = d / "job.yaml"
+    p.write_text(JOB + f"standby: {standby}\n")
+    return str(p)
+
+
+def _start(job, run_dir):
+    return subprocess.Popen([sys.executable, "-m", "orchestrator", "run", job, "--run-dir",
+                             str(run_dir)], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def _wait(journal, event, timeout=120, **match):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        for e in journal.iter(event):
+            if all(e.get(k) == v for k, v in match.items()):
+                return e
+        time.sleep(0.02)
+    raise AssertionError(f"no {event} {match} within {timeout} s")
+
+
+def _kill_mid_epoch(run, attempt, pid):
+    """SIGKILL ``pid`` at a batch that is no checkpoint's (mid-epoch, work since the last
+    checkpoint is lost and redone); returns the time of the kill."""
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        hb = heartbeat.read(str(run)) or {}
+        if (hb.get("attempt") == attempt and hb.get("phase") == "training"
+                and 3 <= hb.get("batch", 0) <= 40 and hb.get("step", 0) % 10 not in (0, 9)):
+            t = time.time()
+            os.kill(pid, signal.SIGKILL)
+            return t
+        time.sleep(0.005)
+    raise AssertionError(f"attempt {attempt} never reached a mid-epoch batch")
+
+
+def _ev(events, name):
+    return [e for e in events if e["event"] == name]
+
+
+def test_standby_killed_then_two_workers_killed_recover_warm_and_end_bit_identical(tmp_path):
+    ref = _start(_job(tmp_path, "ref", "off"), tmp_path / "ref-run")
+    out, _ = ref.communicate(timeout=300)
+    assert ref.returncode == 0, out
+    ref_events = Journal(str(tmp_path / "ref-run" / "events.jsonl")).events()
+
+    run = tmp_path / "run"
+    journal = Journal(str(run / "events.jsonl"))
+    sup = _start(_job(tmp_path, "warm", "auto"), run)
+    try:
+        # 1. the standby itself, killed while it warms up: it is replaced
+        first = _wait(journal, "standby_started", for_attempt=2)
+        time.sleep(1.0)
+        os.kill(first["pid"], signal.SIGKILL)
+        _wait(journal, "standby_lost", pid=first["pid"])
+        # 2. the active worker killed mid-epoch: the replacement standby becomes attempt 2
+        ready2 = _wait(journal, "standby_ready", for_attempt=2)
+        assert ready2["pid"] != first["pid"]
+        a1 = _wait(journal, "attempt_started", attempt=1)
+        kills = [(_kill_mid_epoch(run, 1, a1["pid"]), 2)]
+        # 3. the promoted worker killed mid-epoch once a standby stands behind it
+        ready3 = _wait(journal, "standby_ready", for_attempt=3)
+        a2 = _wait(journal, "attempt_started", attempt=2)
+        kills.append((_kill_mid_epoch(run, 2, a2["pid"]), 3))
+        out, _ = sup.communicate(timeout=300)
+    finally:
+        if sup.poll() is None:
+            sup.kill()
+    assert sup.returncode == 0, out
+    events = journal.events()
+
+    started = {e["attempt"]: e for e in _ev(events, "attempt_started")}
+    assert [started[n]["path"] for n in (1, 2, 3)] == ["cold", "warm", "warm"]
+    assert (started[2]["pid"], started[3]["pid"]) == (ready2["pid"], ready3["pid"])
+    ready = {e["attempt"]: e for e in _ev(events, "worker_ready")}
+    assert [ready[n]["warm"] for n in (1, 2, 3)] == [False, True, True]
+    assert all(ready[n]["resumed_from_batch"] > 0 for n in (2, 3))  # mid-epoch resumes
+    first_step = {e["attempt"]: e["ts"] for e in _ev(events, "first_step")}
+    cold = first_step[1] - started[1]["ts"]
+    print(f"\ncold start (attempt 1, process start -> first step): {cold:.2f} s")
+    for t, n in kills:
+        print(f"kill -> first step of attempt {n} (a promoted standby): "
+              f"{first_step[n] - t:.2f} s ({(first_step[n] - t) / cold:.2f}x)")
+    assert not _ev(events, "resume_not_exact")
+    assert heartbeat.read(str(run))["pid"] == started[3]["pid"]  # the trainer's pid
+
+    done, ref_done = _ev(events, "run_completed")[0], _ev(ref_events, "run_completed")[0]
+    assert done["weights_sha256"] == ref_done["weights_sha256"]
+    assert done["state_sha256"] == ref_done["state_sha256"]
+    metrics = [e["metrics"] for e in _ev(events, "epoch_completed")]
+    assert metrics == [e["metrics"] for e in _ev(ref_events, "epoch_completed")]
+    for e in _ev(events, "standby_started"):  # none outlives the run
+        assert not os.path.exists(f"/proc/{e['pid']}") or _zombie(e["pid"]), e
+
+
+def _zombie(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[1].split()[0] == "Z"
+    except OSError:
+        return True
