@@ -137,3 +137,36 @@ def _zombie(pid):
             return f.read().split(")")[1].split()[0] == "Z"
     except OSError:
         return True
+
+
+def test_a_standby_promoted_before_any_checkpoint_trains_as_a_cold_worker_would(tmp_path):
+    """Its traced step is undone: promoted with no checkpoint, it starts from the very state a
+    cold worker builds, and one epoch ends with the same weights."""
+    path = _job(tmp_path, "one-epoch", "auto")
+    with open(path) as f:
+        text = f.read().replace("epochs: 70", "epochs: 1")
+    with open(path, "w") as f:
+        f.write(text)
+    worker = [sys.executable, "-m", "orchestrator.train.worker", path, "--attempt", "1"]
+    cold = subprocess.run(worker + ["--run-dir", str(tmp_path / "cold")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert cold.returncode == 0, cold.stdout + cold.stderr
+    sb = subprocess.Popen(worker + ["--run-dir", str(tmp_path / "warm"), "--standby", "warm"],
+                          cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in sb.stdout:
+        lines.append(line)
+        if line.startswith("[standby] ready"):
+            break
+    assert sb.poll() is None, "".join(lines)
+    sb.stdin.write('{"attempt": 1}\n')
+    sb.stdin.close()
+    rest = sb.stdout.read()
+    assert sb.wait(300) == 0, "".join(lines) + rest
+    assert "a promoted standby" in rest
+
+    def done(text):
+        return next(ln for ln in text.splitlines() if ln.startswith("[worker] done"))
+
+    assert done(rest) == done(cold.stdout)
