@@ -33,12 +33,14 @@ class Config:
     kill_every_s: float    # mean gap of the seeded SIGKILL schedule
     kills: int
     hang_timeout_s: float
+    standby_epochs: int = 40  # digits, long enough for a standby to warm up behind the worker
+    standby_kills: int = 1
     seed: int = 20261202
 
 
 FULL = Config("full", reps=3, digits_epochs=10, synth_examples=768, synth_epochs=6,
               recovery_kills=3, fault_reps=3, goodput_reps=2, kill_every_s=15.0, kills=2,
-              hang_timeout_s=6.0)
+              hang_timeout_s=6.0, standby_epochs=60, standby_kills=2)
 QUICK = Config("quick", reps=1, digits_epochs=4, synth_examples=384, synth_epochs=3,
                recovery_kills=1, fault_reps=1, goodput_reps=1, kill_every_s=12.0, kills=1,
                hang_timeout_s=5.0)
@@ -69,6 +71,10 @@ def prepare_jobs(cfg: Config, work: str, faults: bool) -> dict[str, str]:
              "deterministic": True,  # what the bit-identity promise needs (both arms get it)
              "data": {"args": {"synthetic": True, "synthetic_examples": cfg.synth_examples}}}),
     }
+    for mode in ("auto", "off"):  # the same job, with and without the warm standby
+        jobs[f"digits_standby_{mode}"] = arms.prepare_job(
+            digits_src, os.path.join(work, "jobs", f"digits_standby_{mode}"),
+            {"restarts": RESTARTS, "epochs": cfg.standby_epochs, "standby": mode})
     if faults:  # only this job: a slow first step (tracing) must not pass for a hang elsewhere
         jobs["digits_hang"] = arms.prepare_job(
             digits_src, os.path.join(work, "jobs", "digits_hang"),
@@ -118,6 +124,23 @@ def recovery(jobs: dict, cfg: Config, work: str, faults: bool) -> dict:
     return out
 
 
+def standby(jobs: dict, cfg: Config, work: str) -> dict:
+    """Kill -> next first step with the standby on and off, side by side: each kill once a
+    checkpoint is committed (and, with it on, once a standby is ready behind the worker)."""
+    out = {}
+    for mode in ("auto", "off"):
+        r = arms.run_orchestrator(jobs[f"digits_standby_{mode}"],
+                                  os.path.join(work, "standby", mode),
+                                  plan=arms.KillPlan(after_checkpoint=cfg.standby_kills,
+                                                     after_standby=mode == "auto"))
+        out[mode] = r
+        totals = [x["total"] for x in r["recoveries"]]
+        say(f"standby {mode}: rc {r['rc']}, paths {r['recovery_paths']}, kill -> first step "
+            f"{totals} s, cold start {r['startup'].get('total')} s, worker peak RSS "
+            f"{r['worker_peak_rss_mb']} MiB, standby RSS {r['standby_rss_mb']} MiB")
+    return out
+
+
 def goodput(jobs: dict, cfg: Config, work: str) -> dict:
     schedule = arms.kill_schedule(cfg.seed, cfg.kill_every_s, cfg.kills)
     out = {"schedule_s": schedule, "orchestrator": [], "restart_loop": []}
@@ -143,6 +166,8 @@ def main(argv=None) -> int:
     p.add_argument("--work", help="scratch directory for run dirs (default: a new temp dir)")
     p.add_argument("--no-benchmarks-md", action="store_true",
                    help="do not update BENCHMARKS.md (a full run updates it by default)")
+    p.add_argument("--standby-only", action="store_true",
+                   help="only the standby on/off recovery comparison (prints its summary)")
     args = p.parse_args(argv)
     cfg = QUICK if args.quick else FULL
     work = args.work or tempfile.mkdtemp(prefix="orchestrator-bench-")
@@ -162,11 +187,16 @@ def main(argv=None) -> int:
         with open(json_path, "w", encoding="utf-8") as f:
             json.dump(results, f, indent=1, default=str)
 
+    if args.standby_only:
+        results["standby"] = standby(jobs, cfg, work)
+        print(json.dumps(report.standby_summary(results), indent=1))
+        return 0
     results["overhead"] = overhead(jobs, cfg, work)
     save()
     results["goodput"] = goodput(jobs, cfg, work)
     save()
     results["recovery"] = recovery(jobs, cfg, work, faults)
+    results["standby"] = standby(jobs, cfg, work)
     results["machine"]["load_after"] = report.machine()["load"]
     save()
     summary = report.summarise(results)

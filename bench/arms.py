@@ -59,6 +59,7 @@ def _merge(base: dict, extra: dict) -> dict:
 class KillPlan:
     offsets: tuple = ()        # kill at these seconds after launch (the goodput schedule) ...
     after_checkpoint: int = 0  # ... or this many times, each once the attempt has committed one
+    after_standby: bool = False  # ... and a standby is ready behind it (its recovery is warm)
 
     def due(self, now: float, launched: float, kills: int, checkpointed: bool) -> bool:
         if self.offsets:
@@ -104,6 +105,9 @@ class OrchestratorWatch(_Watch):
                       if e["event"] == "first_step" and e.get("attempt") == n), None)
         checkpointed = first is not None and any(
             e["event"] == "checkpoint_committed" and e["ts"] > first for e in events)
+        if self.plan.after_standby and not any(
+                e["event"] == "standby_ready" and e.get("for_attempt") == n + 1 for e in events):
+            return
         if not self.plan.due(now, self.launched, len(self.kills), checkpointed):
             return
         ready = next((e for e in events if e["event"] == "worker_ready"
@@ -200,6 +204,9 @@ def run_orchestrator(job: str, run_dir: str, plan: KillPlan | None = None,
         "startup": breakdown.orchestrator_startup(events, fin.launched),
         "supervisor": {"peak_rss_mb": fin.footprint.peak_rss_mb, "cpu_s": fin.footprint.cpu_s},
         "worker_peak_rss_mb": _peak(watch.child_fp),
+        "standby_rss_mb": [round(e["rss"] / 2**20, 1) for e in events
+                           if e["event"] == "standby_ready" and e.get("rss")],
+        "recovery_paths": [e.get("path") for e in events if e["event"] == "attempt_started"][1:],
         "attempts": len([e for e in events if e["event"] == "attempt_started"]),
         "failures": [{"attempt": e["attempt"], "exit_code": e.get("exit_code"),
                       "signal": e.get("signal"), "error": e.get("error"),

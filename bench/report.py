@@ -115,7 +115,26 @@ def summarise(results: dict) -> dict:
         s["recovery"][label] = dict(breakdown.median_phases(xs), n=len(xs))
     s["largest_recovery_cost"] = _largest(s["recovery"])
     s["goodput"] = _goodput(results)
+    if "standby" in results:
+        s["standby"] = standby_summary(results)
     return s
+
+
+def standby_summary(results: dict) -> dict:
+    """Kill -> next first step with the warm standby and without, each against the same run's
+    cold start (launch -> first step of attempt 1), and what the standby holds in memory."""
+    out = {}
+    for mode, r in results["standby"].items():
+        totals = [x["total"] for x in r["recoveries"] if x.get("total") is not None]
+        cold = (r.get("startup") or {}).get("total")
+        rec = median(totals) if totals else None
+        out[mode] = {"kill_to_first_step_s": rec, "cold_start_s": cold,
+                     "ratio_vs_cold_start": round(rec / cold, 3) if rec and cold else None,
+                     "paths": r.get("recovery_paths"), "samples": totals,
+                     "worker_peak_rss_mb": r.get("worker_peak_rss_mb"),
+                     "standby_rss_mb": median(r["standby_rss_mb"]) if r.get("standby_rss_mb")
+                     else None, "rc": r.get("rc"), "fingerprint": r.get("fingerprint")}
+    return out
 
 
 def _largest(recovery: dict) -> dict:
@@ -230,6 +249,17 @@ def markdown(results: dict) -> str:
         out.append("Raised-error and hang recoveries: not measured (this build has no "
                    "`orchestrator run --fault`).")
     out.append("")
+    sb = s.get("standby")
+    if sb:
+        rows = [[mode, fmt_s(v["kill_to_first_step_s"]), fmt_s(v["cold_start_s"]),
+                 fmt_ratio(v["ratio_vs_cold_start"]), ", ".join(v["paths"] or []),
+                 f"{v['worker_peak_rss_mb']}", f"{v['standby_rss_mb']}"]
+                for mode, v in sb.items()]
+        out += ["Warm standby (digits, the same job with `standby: auto` and `off`; each kill "
+                "once a checkpoint is committed and, with `auto`, a standby is ready):", "",
+                md_table(["standby", "kill -> first step (median)", "cold start (this run)",
+                          "ratio", "recovery paths", "worker peak RSS (MiB)",
+                          "standby RSS when ready (MiB)"], rows), ""]
 
     g = s["goodput"]
     out += ["### 3. Goodput under a seeded SIGKILL schedule (synthetic job)", "",
