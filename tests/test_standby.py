@@ -141,3 +141,37 @@ def test_a_standby_is_unfit_when_the_next_attempt_s_settings_changed(tmp_path):
         sb.discard("test over")
     sb.proc.wait(5)
     assert "exited" in sb.unfit("restart", same)
+
+
+PRIORITY_CHILD = """
+import os, threading
+from orchestrator.train import standby
+
+def nices():
+    return sorted({os.getpriority(os.PRIO_PROCESS, int(t)) for t in os.listdir('/proc/self/task')})
+
+def score():
+    return open('/proc/self/oom_score_adj').read().strip()
+
+stop = threading.Event()
+threading.Thread(target=stop.wait, daemon=True).start()  # a thread that exists before
+before = standby.lower_priority()
+late = threading.Thread(target=stop.wait, daemon=True)  # one made while lowered (a TF pool)
+late.start()
+print(before, nices(), score())
+print(standby.restore_priority(before), nices(), score())
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="restoring a priority needs root (as on Colab)")
+def test_the_standby_lowers_every_thread_and_puts_them_back_when_promoted():
+    import subprocess
+
+    from conftest import ROOT
+
+    out = subprocess.run([sys.executable, "-c", PRIORITY_CHILD], capture_output=True,
+                         text=True, cwd=ROOT, timeout=60, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert out.returncode == 0, out.stderr
+    lowered, restored = out.stdout.splitlines()
+    assert lowered == "0 [19] 1000"
+    assert restored == "None [0] 0"

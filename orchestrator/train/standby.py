@@ -9,7 +9,8 @@ standby holds. The pipe closes when the supervisor dies or discards it: then it 
 
 It must not slow the worker it stands behind: it lowers the priority of every thread it has
 (Linux nice values are per thread, and TensorFlow's pools are created during the warm-up, so
-they inherit it) and puts it back when promoted. Putting it back needs root or a raised
+they inherit it) and puts it back when promoted; it also asks the kernel's OOM killer to take
+it first. Putting it back needs root or a raised
 RLIMIT_NICE (Colab runs as root); where it cannot, the promoted worker says so in
 ``worker_ready`` and trains at the lowered priority, which only matters beside other work.
 """
@@ -25,6 +26,8 @@ import traceback
 from orchestrator.core.rundir import EXIT_PREEMPTED
 
 STANDBY_NICE = 19
+STANDBY_OOM_SCORE_ADJ = 1000  # the kernel's OOM killer takes the standby before the worker
+OOM_SCORE_ADJ = "/proc/self/oom_score_adj"
 
 
 def _threads() -> list[int]:
@@ -42,20 +45,35 @@ def _set_priority(nice: int) -> None:
             continue
 
 
+def _oom_score_adj(value: int) -> None:
+    with open(OOM_SCORE_ADJ, "w", encoding="ascii") as f:
+        f.write(str(value))
+
+
 def lower_priority(nice: int = STANDBY_NICE) -> int:
-    """Every thread of this process to ``nice``; returns the value before."""
+    """Every thread of this process to ``nice``, and this process first in line for the
+    kernel's OOM killer (it holds about as much memory as the worker, which must not be the
+    one to go); returns the nice value before."""
     before = os.getpriority(os.PRIO_PROCESS, 0)
     _set_priority(max(before, nice))
+    try:
+        _oom_score_adj(STANDBY_OOM_SCORE_ADJ)  # raising it needs no privilege
+    except OSError as exc:  # no procfs: only the priority is lowered
+        print(f"[standby] oom_score_adj not raised ({exc})", flush=True)
     return before
 
 
 def restore_priority(before: int) -> str | None:
-    """Every thread back to ``before``; None when done, else why not (it stays lowered)."""
+    """Every thread back to ``before``, the OOM score back to neutral; None when done, else
+    why not (it stays lowered)."""
     try:
         _set_priority(before)
+        _oom_score_adj(0)
     except PermissionError as exc:
-        return (f"stays at nice {os.getpriority(os.PRIO_PROCESS, 0)}: {exc} (raising a "
-                f"priority needs root or RLIMIT_NICE)")
+        return (f"stays at nice {os.getpriority(os.PRIO_PROCESS, 0)} or OOM score "
+                f"{STANDBY_OOM_SCORE_ADJ}: {exc} (restoring them needs root)")
+    except FileNotFoundError:  # no procfs: the priority was all there was to restore
+        return None
     return None
 
 
