@@ -18,6 +18,7 @@ STRATEGIES = ("auto", "tpu", "gpu", "cpu")
 SCHEDULES = ("step_decay", "cosine", "piecewise")
 BUILTIN_CALLBACKS = ("early_stopping", "reduce_lr_on_plateau", "terminate_on_nan")
 STANDBY_MODES = ("auto", "off", "import_only")
+ENGINES = ("local", "ray")  # who places the workers of a multi-worker job
 _FACTORY_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
 
@@ -178,6 +179,10 @@ class JobSpec:
     standby: str = "auto"            # a warm standby worker: auto | off | import_only
     probe_interval: float = 60.0     # accelerator probe period while an attempt runs
     lock_stale_after: float = 120.0  # a lock silent this long may be taken over (another VM)
+    workers: int = 1                 # worker processes training together (MultiWorkerMirrored)
+    engine: str = "local"            # local: processes here; ray: placed by Ray (ENGINES)
+    address: str | None = None       # the Ray cluster (else RAY_ADDRESS, else a local Ray)
+    worker_resources: tuple = (("CPU", 1.0),)  # one Ray bundle per worker holds these
     recovery: RecoverySpec = RecoverySpec()
 
     def training_relevant(self) -> dict:

@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 
 from orchestrator.core.kinds import ACTIONS, KINDS
-from orchestrator.core.spec import (_FACTORY_RE, BUILTIN_CALLBACKS, SCHEDULES, STANDBY_MODES,
+from orchestrator.core.spec import (_FACTORY_RE, BUILTIN_CALLBACKS, ENGINES, SCHEDULES, STANDBY_MODES,
                                     STRATEGIES, CallbackSpec, CheckpointSpec, CompileSpec,
                                     CrashLoopSpec, Factory, JobSpec, LearningRateSpec,
                                     RecoverySpec, RestartSpec, Rung, SpecError)
@@ -163,7 +163,8 @@ TOP_KEYS = {
     "name", "model", "data", "compile", "epochs", "batch_size", "strategy", "run_dir", "seed",
     "checkpoint", "restarts", "heartbeat_interval", "deterministic", "learning_rate", "callbacks",
     "hang_timeout", "startup_timeout", "stop_grace", "probe_interval", "recovery",
-    "preempt_grace", "standby", "lock_stale_after",
+    "preempt_grace", "standby", "lock_stale_after", "workers", "engine", "address",
+    "worker_resources",
 }
 RECOVERY_KEYS = {
     "ladders", "reinstall_tensorflow", "reinstall_max", "pip", "pip_args",
@@ -398,6 +399,10 @@ def _read(r: _Reader, data: dict, path: str, run_dir: str | None) -> JobSpec:
         probe_interval=r.number(data, "probe_interval", "probe_interval", _JOB["probe_interval"], 0.1),
         lock_stale_after=r.number(data, "lock_stale_after", "lock_stale_after",
                                   _JOB["lock_stale_after"], 2.0),
+        workers=r.integer(data, "workers", "workers", _JOB["workers"], 1),
+        engine=r.string(data, "engine", "engine", _JOB["engine"], ENGINES),
+        address=r.string(data, "address", "address", _JOB["address"]),
+        worker_resources=_resources(r, data),
         recovery=_recovery(r, data["recovery"]) if "recovery" in data else RecoverySpec(),
     )
 
@@ -446,3 +451,20 @@ def _checkpoint_spec(r: _Reader, c, name: str, run_dir: str) -> CheckpointSpec:
         upload_backoff_max=r.number(b, "max", "checkpoint.upload_backoff.max",
                                     _CK.upload_backoff_max, 0),
     )
+
+
+def _resources(r: _Reader, data) -> tuple:
+    """``worker_resources: {CPU: 1, GPU: 1}``: what Ray reserves for each worker."""
+    if "worker_resources" not in data:
+        return _JOB["worker_resources"]
+    res = data["worker_resources"]
+    if not isinstance(res, dict) or not res:
+        return r.note("worker_resources", "expected a mapping of Ray resource names to "
+                      "amounts, e.g. {CPU: 1, GPU: 1}", _JOB["worker_resources"])
+    out = []
+    for name, amount in res.items():
+        if isinstance(amount, bool) or not isinstance(amount, (int, float)) or amount <= 0:
+            r.note(f"worker_resources.{name}", f"expected a positive number, got {amount!r}")
+            continue
+        out.append((str(name), float(amount)))
+    return tuple(sorted(out))
