@@ -38,6 +38,8 @@ ENV_REINIT = "ORCHESTRATOR_REINIT_ACCELERATOR"  # "1": shut down + initialise th
 JOURNAL_FILE = "events.jsonl"
 ATTEMPTS_DIR = "attempts"
 FAULTS_DIR = "faults"
+# TensorBoard's logs when a job says `tensorboard: true` (train/tensorboard.py), in ``root``.
+TENSORBOARD_DIR = "tensorboard"
 
 
 class RunDirUnreachable(Exception):
