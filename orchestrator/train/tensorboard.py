@@ -9,9 +9,12 @@ running metrics so far, as Keras reports them, and the rate).
 What a naive resume does: the killed attempt had written points past the checkpoint it is
 resumed from, and the next one writes those steps again. Measured with Keras' own TensorBoard
 callback, ``fit(initial_epoch=2)`` after a first ``fit`` that had written epoch 2 gives
-TensorBoard's ``EventAccumulator`` the steps ``[0, 1, 2, 2, 3, 4]``; files written by
-``tf.summary`` declare ``brain.Event:2``, for which the reader no longer purges steps that go
-backwards on its own (it only honours a ``SessionLog.START`` marker).
+TensorBoard's ``EventAccumulator`` the steps ``[0, 1, 2, 2, 3, 4]``. TensorBoard's own purge
+does not save it: files written by ``tf.summary`` declare ``brain.Event:2``, for which the
+readers no longer purge steps that go backwards and only honour a ``SessionLog.START`` marker;
+``EventAccumulator`` (tensorboard 2.21) then purges only legacy ``simple_value`` scalars, never
+the tensors ``tf.summary.scalar`` writes, and the loader a running TensorBoard uses
+(``plugin_event_accumulator``) ignores the first START it sees.
 
 What this module does: points written past the restored checkpoint's step by a killed attempt
 are **dropped**, and the resumed attempt writes those steps afresh (the same values when the
@@ -27,7 +30,8 @@ resume is exact). Two mechanisms, one for each kind of reader:
   not yet removed), the next attempt merges the same points to the same history.
 - Each attempt's own file starts with ``SessionLog.START`` at the restored step + 1: a
   TensorBoard that was already watching, and had read the dropped points before they were
-  dropped, purges every point from that step on, as its reader does for a restarted TF job.
+  dropped, purges every point from that step on (``plugin_event_accumulator``: every attempt
+  writes one, so each resumed attempt's is not the first it sees).
 
 Each point is flushed as it is written (before the checkpoint callback commits that step), so
 a kill loses no point at or before the step the next attempt resumes from.
