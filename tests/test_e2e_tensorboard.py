@@ -89,3 +89,8 @@ def test_a_job_asking_for_tensorboard_without_it_fails_once_naming_the_key(tmp_p
     assert failed["event"] == "run_failed" and failed["kind"] == "user_error", failed
     assert "key 'tensorboard'" in failed["error"]["message"]
     assert "pip install 'orchestrator[tensorboard]'" in out
+    # ... and the doctor says so before a run
+    p = subprocess.run([sys.executable, "-m", "orchestrator", "doctor", str(tmp_path / "job.yaml")],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert "FAIL  job code" in p.stdout and "key 'tensorboard'" in p.stdout, p.stdout
