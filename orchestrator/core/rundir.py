@@ -41,6 +41,8 @@ ENV_RESTORE_STEP = "ORCHESTRATOR_RESTORE_STEP"
 JOURNAL_FILE = "events.jsonl"
 ATTEMPTS_DIR = "attempts"
 FAULTS_DIR = "faults"
+# TensorBoard's logs when a job says `tensorboard: true` (train/tensorboard.py), in ``root``.
+TENSORBOARD_DIR = "tensorboard"
 
 
 class RunDirUnreachable(Exception):

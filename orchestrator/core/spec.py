@@ -106,6 +106,16 @@ class CallbackSpec:
 
 
 @dataclass(frozen=True)
+class TensorBoardSpec:
+    """Scalars for TensorBoard (train/tensorboard.py): per epoch, and every ``every_steps``
+    global steps (multiples of it, so that every attempt writes at the same steps; 0: per
+    epoch only). Steps are the run's global step, which continues across restarts."""
+
+    dir: str = ""          # "" until load() fills <run_dir>/tensorboard; relative: to run_dir
+    every_steps: int = 100
+
+
+@dataclass(frozen=True)
 class RestartSpec:
     max: int = 3                     # failures of the job or the runtime since the last new checkpoint
     preemptions: int | None = None   # kills from outside (preemptions); None: no limit
@@ -184,6 +194,7 @@ class JobSpec:
     address: str | None = None       # the Ray cluster (else RAY_ADDRESS, else a local Ray)
     worker_resources: tuple = (("CPU", 1.0),)  # one Ray bundle per worker holds these
     recovery: RecoverySpec = RecoverySpec()
+    tensorboard: TensorBoardSpec | None = None  # None: no TensorBoard logs (the default)
 
     def training_relevant(self) -> dict:
         """What decides the trained model (not epochs, restarts, checkpoints or paths)."""

@@ -19,7 +19,8 @@ from orchestrator.core.kinds import ACTIONS, KINDS
 from orchestrator.core.spec import (_FACTORY_RE, BUILTIN_CALLBACKS, ENGINES, SCHEDULES, STANDBY_MODES,
                                     STRATEGIES, CallbackSpec, CheckpointSpec, CompileSpec,
                                     CrashLoopSpec, Factory, JobSpec, LearningRateSpec,
-                                    RecoverySpec, RestartSpec, Rung, SpecError)
+                                    RecoverySpec, RestartSpec, Rung, SpecError,
+                                    TensorBoardSpec)
 
 # --------------------------------------------------------------------------------------------
 # YAML with line numbers
@@ -156,6 +157,7 @@ class _Reader:
 
 # Each default is declared once, on its dataclass field; the loader reads it from there.
 _RS, _CK, _RC, _CL = RestartSpec(), CheckpointSpec(), RecoverySpec(), CrashLoopSpec()
+_TB = TensorBoardSpec()
 _JOB = {f.name: f.default for f in dataclasses.fields(JobSpec)
         if f.default is not dataclasses.MISSING}
 
@@ -164,7 +166,7 @@ TOP_KEYS = {
     "checkpoint", "restarts", "heartbeat_interval", "deterministic", "learning_rate", "callbacks",
     "hang_timeout", "startup_timeout", "stop_grace", "probe_interval", "recovery",
     "preempt_grace", "standby", "lock_stale_after", "workers", "engine", "address",
-    "worker_resources",
+    "worker_resources", "tensorboard",
 }
 RECOVERY_KEYS = {
     "ladders", "reinstall_tensorflow", "reinstall_max", "pip", "pip_args",
@@ -404,7 +406,27 @@ def _read(r: _Reader, data: dict, path: str, run_dir: str | None) -> JobSpec:
         address=r.string(data, "address", "address", _JOB["address"]),
         worker_resources=_resources(r, data),
         recovery=_recovery(r, data["recovery"]) if "recovery" in data else RecoverySpec(),
+        tensorboard=_tensorboard(r, data.get("tensorboard", False), rd),
     )
+
+
+def _tensorboard(r: _Reader, v, run_dir: str) -> TensorBoardSpec | None:
+    """``tensorboard: false | true | PATH | {dir: PATH, every_steps: N}``; a relative PATH is
+    in the run directory, so that the logs travel with the run (a Drive folder)."""
+    from orchestrator.core.rundir import TENSORBOARD_DIR
+
+    if v is False or v is None:
+        return None
+    c = {} if v is True else {"dir": v} if isinstance(v, str) else v
+    if not isinstance(c, dict):
+        r.fail("tensorboard", f"expected true, false, a log directory or a mapping "
+               f"{{dir: PATH, every_steps: N}}, got {v!r}")
+    r.mapping(c, "tensorboard", {"dir", "every_steps"})
+    d = r.string(c, "dir", "tensorboard" if isinstance(v, str) else "tensorboard.dir",
+                 TENSORBOARD_DIR)
+    return TensorBoardSpec(
+        dir=os.path.normpath(os.path.join(run_dir, os.path.expanduser(d or TENSORBOARD_DIR))),
+        every_steps=r.integer(c, "every_steps", "tensorboard.every_steps", _TB.every_steps, 0))
 
 
 CHECKPOINT_KEYS = {"every_epochs", "keep", "every_steps", "every_seconds", "keep_every_epochs",

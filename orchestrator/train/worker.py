@@ -92,6 +92,10 @@ def train(spec: JobSpec, rd: RunDir, attempt: int, progress, t_start: float,
     if spec.deterministic:
         tf.config.experimental.enable_op_determinism()
     spec, reinitialise = apply_overrides(spec)
+    if spec.tensorboard:
+        from orchestrator.train import tensorboard
+
+        tensorboard.require()  # before the model is built: one line naming the key and the extra
     injector = Injector.from_env(rd.control, attempt, journal)
 
     strategy, described = (multiworker.strategy(group) if group else
@@ -160,6 +164,11 @@ def train(spec: JobSpec, rd: RunDir, attempt: int, progress, t_start: float,
 
     if at.not_exact:
         not_exact(at.not_exact)
+    if spec.tensorboard:
+        dropped = tensorboard.repair(spec.tensorboard.dir, at.step)
+        if dropped:
+            print(f"[worker] tensorboard: dropped {dropped} point(s) past step {at.step} "
+                  f"written by an earlier attempt ({spec.tensorboard.dir})", flush=True)
     print(f"[worker] attempt {attempt}: {described}, {replicas} replica(s), global batch "
           f"{global_batch}, resuming at epoch {at.epoch}/{spec.epochs} batch {at.batch}/{spe}",
           flush=True)
@@ -184,6 +193,12 @@ def train(spec: JobSpec, rd: RunDir, attempt: int, progress, t_start: float,
                         f"the checkpoint has no metric state for epoch {at.epoch + 1}: its "
                         f"reported metrics cover batches {at.batch + 1}.. only"])),
         HeartbeatCallback(heart, progress),
+    ]
+    if spec.tensorboard:  # before the checkpoint: a step's points are flushed before it commits
+        inner.append(tensorboard.TensorBoardCallback(spec.tensorboard.dir,
+                                                     spec.tensorboard.every_steps, progress,
+                                                     at.step))
+    inner += [
         CheckpointCallback(store, spec.checkpoint, progress, spe, spec.epochs, at.history,
                            base_manifest, states, notice, chief=rank == 0),
     ]
