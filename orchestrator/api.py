@@ -7,15 +7,17 @@ as any interrupted call does, so that "run all" stops there. Running the cell ag
 """
 from __future__ import annotations
 
+import dataclasses
 import signal
 
 from orchestrator.core.rundir import EXIT_STOPPED
-from orchestrator.core.spec import load
+from orchestrator.core.spec import SpecError, load
 from orchestrator.supervise.supervisor import Supervisor
 
 
 def run(job: str, run_dir: str | None = None, raise_on_interrupt: bool = True,
-        faults=(), force: bool = False, remount=None) -> int:
+        faults=(), force: bool = False, remount=None, workers: int | None = None,
+        engine: str | None = None) -> int:
     """Start or resume the run of ``job``; return 0 when it completed, non-zero otherwise.
 
     With ``raise_on_interrupt`` (the notebook's default), a SIGINT (cell interrupt, Ctrl-C)
@@ -24,7 +26,13 @@ def run(job: str, run_dir: str | None = None, raise_on_interrupt: bool = True,
     ``force`` resumes even though the model, data or optimizer changed; ``remount(dir)`` is
     called when the durable checkpoint folder's mount is lost (overrides checkpoint.remount).
     """
-    sup = Supervisor(load(job, run_dir=run_dir), faults=faults, force=force, remount=remount)
+    spec = load(job, run_dir=run_dir)
+    if workers is not None or engine is not None:  # --workers / --engine
+        if workers is not None and workers < 1:
+            raise SpecError(job, None, "workers", f"expected at least 1 worker, got {workers}")
+        spec = dataclasses.replace(spec, workers=spec.workers if workers is None else workers,
+                                   engine=engine or spec.engine)
+    sup = Supervisor(spec, faults=faults, force=force, remount=remount)
     rc = sup.run()
     if rc == EXIT_STOPPED and raise_on_interrupt and sup.stop_signal == signal.SIGINT:
         raise KeyboardInterrupt("orchestrator: the worker was stopped; run the cell again "
