@@ -10,10 +10,10 @@ import, so its functions travel to the worker by value, pickled with cloudpickle
   would take it: what the worker got would be a snapshot of this process's state (a file's
   content read now, a tensor copied off the device), never what the function meant.
 - ``fingerprint``: what the code *is*, the same in every process that runs the same cell, for
-  the training hash. The pickle's own bytes are not: they hold the cell's file name (a notebook's
-  ``/tmp/ipykernel_<pid>/...``), line numbers and cloudpickle's random ids of the cell's
-  classes. So a code object counts by its source text (bytecode for a lambda, whose source line
-  may hold the whole call), a class by its name. A recycled VM that runs the same cell again gets
+  the training hash. The pickle's own bytes are not: they hold the bytecode (which changes with
+  the Python version), line numbers, and a random id cloudpickle gives each class of the cell
+  in each process. So a code object counts by its source text (bytecode for a lambda, whose
+  source line may hold the whole call), a class by its name. A recycled VM that runs the same cell again gets
   the same fingerprint and resumes; changed code is an incompatible resume (unless forced).
 - ``CellJob.freeze`` (the supervisor, once the run is admitted) writes the code file next to the
   frozen job in the run directory, mode 0600, and the frozen job with the file's sha256.
@@ -46,7 +46,7 @@ from orchestrator.core.spec import CodeSpec, SpecError
 CODE_FILE = CodeSpec.file
 _PROTOCOL = 5  # fixed, not cloudpickle's default: the fingerprint must not move with it
 # Objects of these packages whose class (or a base) is named so hold this process's state.
-_TF_ROOTS = frozenset({"tensorflow", "keras", "tf_keras"})
+_TF_ROOTS = {"tensorflow": "TensorFlow", "keras": "Keras", "tf_keras": "Keras"}
 _TF_STATEFUL = re.compile(r"Tensor|Variable|Layer|Model|Optimizer|Dataset")
 _STD_STREAMS = ("stdout", "stderr", "stdin", "__stdout__", "__stderr__", "__stdin__")
 # cloudpickle names each class of the cell with a random id (to rebuild it once per process)
@@ -81,10 +81,11 @@ def held_here(obj) -> str | None:
         return (f"an open file{what}: a file handle belongs to this process; open the file "
                 f"inside the function")
     for c in type(obj).__mro__:
-        if c.__module__.split(".")[0] in _TF_ROOTS and _TF_STATEFUL.search(c.__name__):
-            return (f"a {type(obj).__name__} of this process ({c.__module__}.{c.__name__}): it "
-                    f"lives in this process's TensorFlow; create it inside the function (a NumPy "
-                    f"array can be carried)")
+        root = c.__module__.split(".")[0]
+        if root in _TF_ROOTS and _TF_STATEFUL.search(c.__name__):
+            return (f"a {_TF_ROOTS[root]} {type(obj).__name__} of this process (a "
+                    f"{c.__module__}.{c.__name__}): it lives in this process's TensorFlow; "
+                    f"create it inside the function (a NumPy array can be carried)")
     return None
 
 
