@@ -92,8 +92,10 @@ def _plain(value, key: str, functions: list, may_carry: bool = False):
         name = next((n for n, f in taken.items() if f is value), None)
         if name is None:
             name = getattr(value, "__name__", "")
-            if not name.isidentifier() or name in taken:
-                name = key.replace("[", "_").replace("]", "").replace(".", "_")
+            if not name.isidentifier() or name in taken:  # a lambda; two functions of a name
+                base = name = key.replace("[", "_").replace("]", "").replace(".", "_")
+                while name in taken:
+                    name = f"{base}_{len(taken)}"
             functions.append((key, name, value))
         return f"{CELL_MODULE}:{name}"
     if isinstance(value, dict):

@@ -253,6 +253,11 @@ def test_keyword_jobs_take_job_file_values_and_refuse_others(tmp_path):
     assert spec.epochs == 3 and spec.compile.metrics == ("mae",)
     assert spec.callbacks[0].factory.target == "__cell__:build_model"
     assert cj.code.names == ("build_model", "load_data")  # the same function carried once
+    data = cell("def data():\n    return 1\n")["data"]
+    spec, cj = api.keyword_job(job(ns, tmp_path, model=data, data=lambda: 2,
+                                   learning_rate=lambda epoch, lr: lr))
+    assert (spec.model.target, spec.data.target, spec.learning_rate.function.target) == (
+        "__cell__:data", "__cell__:data_1", "__cell__:learning_rate")
     assert spec.job_dir == os.getcwd() and spec.job_path == str(tmp_path / "run" / "job.yaml")
     with pytest.raises(SpecError, match=r"key 'compile.optimizer': expected what a job file "
                                         r"holds .* got object"):
