@@ -13,7 +13,9 @@ import, so its functions travel to the worker by value, pickled with cloudpickle
   the training hash. The pickle's own bytes are not: they hold the bytecode (which changes with
   the Python version), line numbers, and a random id cloudpickle gives each class of the cell
   in each process. So a code object counts by its source text (bytecode for a lambda, whose
-  source line may hold the whole call), a class by its name. A recycled VM that runs the same cell again gets
+  source line may hold the whole call), a class by its name. (One gap: a set of strings that a
+  function reaches through its globals or closure is pickled in an order that moves with the
+  hash seed, so its fingerprint differs between processes; pickle gives no hook for sets.) A recycled VM that runs the same cell again gets
   the same fingerprint and resumes; changed code is an incompatible resume (unless forced).
 - ``CellJob.freeze`` (the supervisor, once the run is admitted) writes the code file next to the
   frozen job in the run directory, mode 0600, and the frozen job with the file's sha256.
