@@ -5,7 +5,7 @@ import subprocess
 import sys
 import time
 
-from conftest import ROOT, supervise, supervisor_process
+from conftest import ROOT, live, supervise, supervisor_process
 from orchestrator.core import heartbeat
 from orchestrator.core.journal import Journal
 from orchestrator.core.osutil import pid_alive
@@ -185,7 +185,7 @@ def test_sigterm_to_the_supervisor_is_a_preemption_notice_the_worker_saves_its_s
     p = supervisor_process(job, {"epoch_s": 4, "batches": 10})
     deadline = time.time() + 30
     while time.time() < deadline:
-        hb = heartbeat.read(str(run))
+        hb = heartbeat.read(live(job, run).control)
         if hb and hb.get("phase") == "training" and hb.get("epoch") == 0 and hb.get("batch", 0) >= 3:
             break
         time.sleep(0.02)
@@ -211,7 +211,8 @@ def test_the_run_directory_gone_for_seconds_is_reported_and_the_run_completes(fa
     run, away = tmp_path / "run", tmp_path / "run-away"
     p = supervisor_process(job, {"epoch_s": 4, "batches": 10})
     deadline = time.time() + 30
-    while time.time() < deadline and not (heartbeat.read(str(run)) or {}).get("phase") == "training":
+    while time.time() < deadline and not (heartbeat.read(live(job, run).control) or {}).get(
+            "phase") == "training":
         time.sleep(0.05)
     os.rename(run, away)
     run.write_text("not a directory: the mount is gone")
