@@ -30,7 +30,8 @@ _FUNCTION_KEYS = ("model", "data", "learning_rate")  # and each item of callback
 
 
 def run(job: str | None = None, run_dir: str | None = None, raise_on_interrupt: bool = True,
-        faults=(), force: bool = False, remount=None, **job_keys) -> int:
+        faults=(), force: bool = False, remount=None, workers: int | None = None,
+        engine: str | None = None, **job_keys) -> int:
     """Start or resume the run of ``job`` (a job file), or of the job given by ``job_keys``
     (``model=function, data=function, name=..., epochs=..., batch_size=...`` and any other key
     of a job file); return 0 when it completed, non-zero otherwise.
@@ -50,9 +51,16 @@ def run(job: str | None = None, run_dir: str | None = None, raise_on_interrupt: 
             raise TypeError("orchestrator.run: give a job file, or the job's keys "
                             "(model=function, data=function, name=..., epochs=..., "
                             "batch_size=...)")
-        spec, cell = keyword_job(job_keys, run_dir)
+        given = {"workers": workers, "engine": engine}  # keys of the job: frozen with it
+        spec, cell = keyword_job(dict(job_keys, **{k: v for k, v in given.items()
+                                                   if v is not None}), run_dir)
     else:
         spec, cell = load(job, run_dir=run_dir), None
+        if workers is not None or engine is not None:  # --workers / --engine
+            if workers is not None and workers < 1:
+                raise SpecError(job, None, "workers", f"expected at least 1 worker, got {workers}")
+            spec = dataclasses.replace(spec, workers=spec.workers if workers is None else workers,
+                                       engine=engine or spec.engine)
     sup = Supervisor(spec, faults=faults, force=force, remount=remount, cell=cell)
     rc = sup.run()
     if rc == EXIT_STOPPED and raise_on_interrupt and sup.stop_signal == signal.SIGINT:
