@@ -16,11 +16,11 @@ from typing import Any
 import yaml
 
 from orchestrator.core.kinds import ACTIONS, KINDS
-from orchestrator.core.spec import (_FACTORY_RE, BUILTIN_CALLBACKS, ENGINES, SCHEDULES, STANDBY_MODES,
-                                    STRATEGIES, CallbackSpec, CheckpointSpec, CompileSpec,
-                                    CrashLoopSpec, Factory, JobSpec, LearningRateSpec,
-                                    RecoverySpec, RestartSpec, Rung, SpecError,
-                                    TensorBoardSpec)
+from orchestrator.core.spec import (_FACTORY_RE, BUILTIN_CALLBACKS, CELL_MODULE, ENGINES,
+                                    SCHEDULES, STANDBY_MODES, STRATEGIES, CallbackSpec,
+                                    CheckpointSpec, CodeSpec, CompileSpec, CrashLoopSpec, Factory,
+                                    JobSpec, LearningRateSpec, RecoverySpec, RestartSpec, Rung,
+                                    SpecError, TensorBoardSpec)
 
 # --------------------------------------------------------------------------------------------
 # YAML with line numbers
@@ -166,7 +166,7 @@ TOP_KEYS = {
     "checkpoint", "restarts", "heartbeat_interval", "deterministic", "learning_rate", "callbacks",
     "hang_timeout", "startup_timeout", "stop_grace", "probe_interval", "recovery",
     "preempt_grace", "standby", "lock_stale_after", "workers", "engine", "address",
-    "worker_resources", "tensorboard",
+    "worker_resources", "tensorboard", "code",
 }
 RECOVERY_KEYS = {
     "ladders", "reinstall_tensorflow", "reinstall_max", "pip", "pip_args",
@@ -311,10 +311,16 @@ def load(path: str, run_dir: str | None = None) -> JobSpec:
     except OSError as exc:
         raise SpecError(path, None, None, f"cannot read the job file: {exc.strerror}") from None
     data, lines = _compose(text, path)
-    r = _Reader(path, lines)
     if data is None:
         raise SpecError(path, None, None, "the job file is empty; expected a mapping with "
                         "name, model, data, epochs and batch_size")
+    return load_mapping(data, path, run_dir, lines)
+
+
+def load_mapping(data, path: str, run_dir: str | None = None, lines=None) -> JobSpec:
+    """Validate a job given as a mapping (what the YAML of a job file holds), every mistake at
+    once, named by ``path`` (the file, or the call that gave the mapping) and the key."""
+    r = _Reader(path, lines or {})
     try:
         spec = _read(r, data, path, run_dir)
     except SpecError as exc:
@@ -407,7 +413,37 @@ def _read(r: _Reader, data: dict, path: str, run_dir: str | None) -> JobSpec:
         worker_resources=_resources(r, data),
         recovery=_recovery(r, data["recovery"]) if "recovery" in data else RecoverySpec(),
         tensorboard=_tensorboard(r, data.get("tensorboard", False), rd),
+        code=_code(r, data),
     )
+
+
+def _code(r: _Reader, data: dict) -> CodeSpec | None:
+    """``code: {file, sha256, fingerprint}``, written by ``orchestrator.run(model=fn, ...)``
+    into the frozen job; required exactly when a factory names ``__cell__:function``."""
+    def names_cell(v) -> bool:
+        if isinstance(v, dict):
+            v = list(v.values())
+        if isinstance(v, list):
+            return any(names_cell(x) for x in v)
+        return isinstance(v, str) and v.startswith(CELL_MODULE + ":")
+
+    cell = [k for k in ("model", "data", "learning_rate", "callbacks") if names_cell(data.get(k))]
+    if "code" not in data:
+        for k in cell:
+            r.note(k, f"'{CELL_MODULE}:...' names a function carried by orchestrator.run("
+                      f"{k}=function), but the job has no 'code' section naming its file")
+        return None
+    c = r.mapping(data["code"], "code", {"file", "sha256", "fingerprint"}, {"file", "sha256"})
+    file = r.string(c, "file", "code.file")
+    if file and (os.path.basename(file) != file or file.startswith(".")):
+        r.note("code.file", f"expected a file name next to the job file, got {file!r}")
+    digests = {}
+    for k in ("sha256", "fingerprint"):
+        v = c.get(k, "")
+        if not (isinstance(v, str) and re.fullmatch(r"[0-9a-f]{64}", v)) and k in c:
+            r.note(f"code.{k}", f"expected 64 hexadecimal digits (a sha256), got {v!r}")
+        digests[k] = v if isinstance(v, str) else ""
+    return CodeSpec(file=file or CodeSpec.file, **digests)
 
 
 def _tensorboard(r: _Reader, v, run_dir: str) -> TensorBoardSpec | None:

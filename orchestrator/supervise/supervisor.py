@@ -92,12 +92,14 @@ def export_command(spec: JobSpec) -> list[str]:
 
 class Supervisor:
     def __init__(self, spec: JobSpec, worker_cmd=worker_command, out=None, env=None,
-                 faults=(), force: bool = False, remount=None, export_cmd="auto"):
+                 faults=(), force: bool = False, remount=None, export_cmd="auto", cell=None):
         """``force`` resumes under a changed training hash. ``remount(durable_dir)`` replaces
         the job's ``checkpoint.remount`` hook (a notebook may pass its own). ``export_cmd(spec)``
         is the exporter; "auto" means the real one with the real worker and none with a custom
-        worker command (tests' fake workers)."""
+        worker command (tests' fake workers). ``cell``: a job given to ``orchestrator.run`` as
+        keywords (core/cellcode.CellJob), frozen with its code once the run is admitted."""
         self.spec, self.force, self.worker_cmd, self.env = spec, force, worker_cmd, env
+        self.cell = cell
         if export_cmd == "auto":
             export_cmd = export_command if worker_cmd is worker_command else None
         self.faults = [faults_mod.parse(f).text for f in faults]
@@ -389,7 +391,12 @@ class Supervisor:
             self.say(f"took over the run directory from a dead supervisor ({stale['reason']})")
             self.journal.append(Event.LOCK_TAKEN_OVER, previous=stale)
             kill_orphans(events, self.journal)
-        shutil.copyfile(self.spec.job_path, self.rd.job_copy)
+        if self.cell is None:
+            shutil.copyfile(self.spec.job_path, self.rd.job_copy)
+        else:
+            path = self.cell.freeze(self.rd.job_copy)
+            self.say(f"the job's functions ({', '.join(self.cell.code.names)}) are carried in "
+                     f"{path} ({len(self.cell.code.blob) / 1024:.0f} KiB)")
         admission.record(self.spec, self.rd, self.journal, admitted, self.store,
                          had_events=bool(events), say=self.say)
         self.remedies.recall(events)
