@@ -19,6 +19,8 @@ from orchestrator.core import heartbeat
 from orchestrator.ops import timeline
 from orchestrator.core.journal import Journal
 from orchestrator.core.osutil import read_json
+from orchestrator.core.rundir import RunDir
+from orchestrator.core.spec import load
 
 from . import breakdown, procs
 
@@ -78,10 +80,12 @@ class _Watch:
 class OrchestratorWatch(_Watch):
     """Follows the journal and heartbeat of a run; kills its current worker per the plan."""
 
-    def __init__(self, run_dir: str, plan: KillPlan | None):
+    def __init__(self, control_dir: str, plan: KillPlan | None):
+        """``control_dir``: the run's local control folder (RunDir.control), where the journal
+        and heartbeat are written first; the run directory's copies lag up to 0.5 s."""
         super().__init__(plan)
-        self.run_dir = run_dir
-        self.journal = Journal(os.path.join(run_dir, "events.jsonl"))
+        self.run_dir = control_dir
+        self.journal = Journal(os.path.join(control_dir, "events.jsonl"))
         self.last_beat: dict[int, float] = {}  # attempt -> time of its last heartbeat seen
         self._killed: set[int] = set()
 
@@ -176,7 +180,7 @@ def run_orchestrator(job: str, run_dir: str, plan: KillPlan | None = None,
                      extra_args: tuple = (), timeout: float = 300.0) -> dict:
     """``orchestrator run JOB`` to its end; the journal read into timings and a fingerprint."""
     os.makedirs(run_dir, exist_ok=True)
-    watch = OrchestratorWatch(run_dir, plan)
+    watch = OrchestratorWatch(RunDir.for_spec(load(job, run_dir=run_dir)).control, plan)
     cmd = [sys.executable, "-m", "orchestrator", "run", job, "--run-dir", run_dir, *extra_args]
     fin = procs.run(cmd, os.path.join(run_dir, "..", os.path.basename(run_dir) + ".out"),
                     cwd=ROOT, timeout=timeout, on_poll=watch)
@@ -187,7 +191,7 @@ def run_orchestrator(job: str, run_dir: str, plan: KillPlan | None = None,
         n = e["attempt"]
         if n in deaths or e.get("exit_code") == 0:
             continue
-        record = read_json(os.path.join(run_dir, "attempts", f"{n}.error.json"))
+        record = read_json(os.path.join(watch.run_dir, "attempts", f"{n}.error.json"))
         hang = breakdown.hang_death(events, n)
         if hang is not None:
             deaths[n] = hang

@@ -1,16 +1,19 @@
 """A resilient training orchestrator for preemptible runtimes (Colab TPU/GPU).
 
-``orchestrator.run("job.yaml")`` starts or resumes a run. This package's top level never
+``orchestrator.run("job.yaml")`` (or ``orchestrator.run(model=fn, data=fn, ...)``) starts or
+resumes a run. This package's top level never
 imports TensorFlow: the supervisor must be able to repair a broken TensorFlow install.
 """
 __version__ = "0.1.0"
 
 
-def run(job: str, run_dir: str | None = None) -> int:
-    """Start or resume the run of ``job`` (see ``orchestrator.api.run``)."""
+def run(job: str | None = None, run_dir: str | None = None, **kwargs) -> int:
+    """Start or resume the run of ``job``, a job file, or of a job given by its keys
+    (``model=build_model, data=load_data, name=..., epochs=..., batch_size=...``, functions
+    defined in the cell); see ``orchestrator.api.run``."""
     from orchestrator.api import run as _run
 
-    return _run(job, run_dir=run_dir)
+    return _run(job, run_dir=run_dir, **kwargs)
 
 
 def status(run_dir: str) -> dict:

@@ -1,32 +1,128 @@
-"""The notebook and CLI entry point: ``orchestrator.run("job.yaml")``.
+"""The notebook and CLI entry point: ``orchestrator.run("job.yaml")``, or a job defined in the
+cell itself: ``orchestrator.run(model=build_model, data=load_data, name=..., epochs=..., ...)``.
 
 In a notebook the supervisor runs in the kernel: its progress goes to the cell (a live bar,
 since ipykernel's stream renders carriage returns), and interrupting the cell (SIGINT) stops
 the worker's whole process group cleanly, journals the stop and then raises KeyboardInterrupt,
 as any interrupted call does, so that "run all" stops there. Running the cell again resumes.
+
+A job given as keywords takes the keys of a job file; its functions (``model``, ``data``,
+``learning_rate``, ``callbacks`` items) are carried to the worker by value
+(``core/cellcode.py``), so they may be defined in the cell or in a script's ``__main__``.
 """
 from __future__ import annotations
 
+import dataclasses
+import numbers
+import os
 import signal
 
-from orchestrator.core.rundir import EXIT_STOPPED
-from orchestrator.core.spec import load
+import yaml
+
+from orchestrator.core import cellcode
+from orchestrator.core.rundir import EXIT_STOPPED, RunDir
+from orchestrator.core.spec import CELL_MODULE, SpecError, load
+from orchestrator.core.specload import load_mapping
 from orchestrator.supervise.supervisor import Supervisor
 
+SOURCE = "orchestrator.run()"  # what names a keyword job's mistakes, as a file names a YAML's
+_FUNCTION_KEYS = ("model", "data", "learning_rate")  # and each item of callbacks
 
-def run(job: str, run_dir: str | None = None, raise_on_interrupt: bool = True,
-        faults=(), force: bool = False, remount=None) -> int:
-    """Start or resume the run of ``job``; return 0 when it completed, non-zero otherwise.
+
+def run(job: str | None = None, run_dir: str | None = None, raise_on_interrupt: bool = True,
+        faults=(), force: bool = False, remount=None, workers: int | None = None,
+        engine: str | None = None, **job_keys) -> int:
+    """Start or resume the run of ``job`` (a job file), or of the job given by ``job_keys``
+    (``model=function, data=function, name=..., epochs=..., batch_size=...`` and any other key
+    of a job file); return 0 when it completed, non-zero otherwise.
 
     With ``raise_on_interrupt`` (the notebook's default), a SIGINT (cell interrupt, Ctrl-C)
     raises KeyboardInterrupt once the worker is stopped; otherwise it returns 130.
     ``faults``: fault specs to inject (see orchestrator.recovery.faults), each fired once per run.
-    ``force`` resumes even though the model, data or optimizer changed; ``remount(dir)`` is
-    called when the durable checkpoint folder's mount is lost (overrides checkpoint.remount).
+    ``force`` resumes even though the model, data, optimizer or carried code changed;
+    ``remount(dir)`` is called when the durable checkpoint folder's mount is lost (overrides
+    checkpoint.remount).
     """
-    sup = Supervisor(load(job, run_dir=run_dir), faults=faults, force=force, remount=remount)
+    if job is not None and job_keys:
+        raise TypeError(f"orchestrator.run: give a job file or the job's keys, not both "
+                        f"(got {job!r} and {', '.join(sorted(job_keys))})")
+    if job is None:
+        if not job_keys:
+            raise TypeError("orchestrator.run: give a job file, or the job's keys "
+                            "(model=function, data=function, name=..., epochs=..., "
+                            "batch_size=...)")
+        given = {"workers": workers, "engine": engine}  # keys of the job: frozen with it
+        spec, cell = keyword_job(dict(job_keys, **{k: v for k, v in given.items()
+                                                   if v is not None}), run_dir)
+    else:
+        spec, cell = load(job, run_dir=run_dir), None
+        if workers is not None or engine is not None:  # --workers / --engine
+            if workers is not None and workers < 1:
+                raise SpecError(job, None, "workers", f"expected at least 1 worker, got {workers}")
+            spec = dataclasses.replace(spec, workers=spec.workers if workers is None else workers,
+                                       engine=engine or spec.engine)
+    sup = Supervisor(spec, faults=faults, force=force, remount=remount, cell=cell)
     rc = sup.run()
     if rc == EXIT_STOPPED and raise_on_interrupt and sup.stop_signal == signal.SIGINT:
         raise KeyboardInterrupt("orchestrator: the worker was stopped; run the cell again "
                                 "to resume")
     return rc
+
+
+def keyword_job(job_keys: dict, run_dir: str | None = None):
+    """The spec of a job given as keywords and what the supervisor freezes into its run
+    directory: the job as YAML (its functions named ``__cell__:name``) and the carried code.
+    Every mistake, a function that cannot be carried included, is raised here, before any
+    worker starts."""
+    functions: list = []
+    job = {k: _plain(v, k, functions, may_carry=k in _FUNCTION_KEYS or k == "callbacks")
+           for k, v in job_keys.items()}
+    if run_dir is not None:
+        job["run_dir"] = os.fspath(run_dir)
+    carried = cellcode.carry(functions, SOURCE)
+    job["code"] = {"file": cellcode.CODE_FILE, "sha256": carried.sha256,
+                   "fingerprint": carried.fingerprint}
+    spec = load_mapping(job, SOURCE, run_dir)
+    job["run_dir"] = spec.run_dir
+    text = (f"# Frozen by orchestrator.run(...) from {os.getcwd()}: the functions named "
+            f"{CELL_MODULE}:name are\n# in {cellcode.CODE_FILE}, next to this file.\n"
+            + yaml.safe_dump(job, sort_keys=False))
+    # the worker runs where the call was made: relative paths in the functions mean the same
+    spec = dataclasses.replace(spec, job_path=RunDir(spec.run_dir).job_copy, job_dir=os.getcwd())
+    return spec, cellcode.CellJob(text, carried)
+
+
+def _plain(value, key: str, functions: list, may_carry: bool = False):
+    """``value`` as a job file would hold it (tuples as lists, NumPy numbers as numbers), a
+    function where one may be carried replaced by its ``__cell__:name`` target."""
+    if callable(value) and may_carry and key != "callbacks":
+        taken = {n: f for _, n, f in functions}
+        name = next((n for n, f in taken.items() if f is value), None)
+        if name is None:
+            name = getattr(value, "__name__", "")
+            if not name.isidentifier() or name in taken:  # a lambda; two functions of a name
+                base = name = key.replace("[", "_").replace("]", "").replace(".", "_")
+                while name in taken:
+                    name = f"{base}_{len(taken)}"
+            functions.append((key, name, value))
+        return f"{CELL_MODULE}:{name}"
+    if isinstance(value, dict):
+        if may_carry and key != "callbacks" and "factory" in value:  # {factory: fn, args: {}}
+            return {k: _plain(v, f"{key}.{k}", functions, may_carry=k == "factory")
+                    for k, v in value.items()}
+        return {str(k): _plain(v, f"{key}.{k}", functions) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v, f"{key}[{i}]", functions, may_carry=key == "callbacks")
+                for i, v in enumerate(value)]
+    if value is None or isinstance(value, (str, bool)):
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    if callable(value):
+        raise SpecError(SOURCE, None, key, f"a function is carried for {', '.join(_FUNCTION_KEYS)}"
+                        f" or an item of callbacks only; got {cellcode.label(value)}")
+    raise SpecError(SOURCE, None, key, f"expected what a job file holds (text, a number, true or "
+                    f"false, a list, a mapping), got {type(value).__name__}; build such objects "
+                    f"inside the functions")

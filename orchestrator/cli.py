@@ -7,8 +7,9 @@ import sys
 
 from orchestrator.core.lock import LockedError
 from orchestrator.core.rundir import RunDirUnreachable
-from orchestrator.core.spec import SpecError
+from orchestrator.core.spec import ENGINES, SpecError
 from orchestrator.supervise.admission import IncompatibleResume
+from orchestrator.supervise.group import EngineUnavailable
 
 EXIT_USAGE = 2
 EXIT_LOCKED = 3
@@ -25,7 +26,7 @@ def _cmd_run(args) -> int:
         print(f"orchestrator: {exc}", file=sys.stderr)
         return EXIT_USAGE
     return run(args.job, run_dir=args.run_dir, raise_on_interrupt=False, faults=faults,
-               force=args.force)
+               force=args.force, workers=args.workers, engine=args.engine)
 
 
 def _cmd_diagnose(args) -> int:
@@ -112,6 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "kill@checkpoint=N, kill@export=1")
     r.add_argument("--force", action="store_true",
                    help="resume even though the model, data or optimizer changed")
+    r.add_argument("--workers", type=int, metavar="N",
+                   help="train with N workers (MultiWorkerMirroredStrategy); overrides `workers:`")
+    r.add_argument("--engine", choices=ENGINES,
+                   help="who places the workers: local processes or Ray; overrides `engine:`")
     r.set_defaults(func=_cmd_run)
     d = sub.add_parser("diagnose", help="classify a log or traceback (FILE, or - for stdin)")
     d.add_argument("file")
@@ -154,6 +159,9 @@ def main(argv=None) -> int:
     except LockedError as exc:
         print(f"orchestrator: {exc}", file=sys.stderr)
         return EXIT_LOCKED
+    except EngineUnavailable as exc:
+        print(f"orchestrator: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     except RunDirUnreachable as exc:
         print(f"orchestrator: {exc}", file=sys.stderr)
         return EXIT_RUN_DIR

@@ -112,3 +112,12 @@ def supervisor_process(job, plan):
             % (os.path.join(ROOT, "tests"), ROOT, job))
     return subprocess.Popen([sys.executable, "-c", code], env=fake_env(plan),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def live(job, run_dir) -> "RunDir":
+    """Where a running job's journal and heartbeat are written first (its local control folder,
+    mirrored to the run directory every 0.5 s): tests that act at a precise moment read here."""
+    from orchestrator.core.rundir import RunDir
+    from orchestrator.core.spec import load
+
+    return RunDir.for_spec(load(str(job), run_dir=str(run_dir)))

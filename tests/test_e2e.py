@@ -12,7 +12,7 @@ import pytest
 from watchdog.events import FileSystemEventHandler
 from watchdog.observers import Observer
 
-from conftest import ROOT
+from conftest import ROOT, live
 from orchestrator.core import heartbeat
 from orchestrator.core.journal import Journal
 from orchestrator.core.osutil import pid_alive
@@ -106,7 +106,8 @@ def test_killed_runs_end_bit_identical_to_an_uninterrupted_one(digits_job, tmp_p
     ref_events = Journal(str(tmp_path / "ref" / "events.jsonl")).events()
 
     run = tmp_path / "run"
-    journal = Journal(str(run / "events.jsonl"))
+    ctl = live(digits_job, run)
+    journal = Journal(ctl.journal)
     rng = random.Random(int(os.environ.get("EXACT_RESUME_SEED", "2026")))
     kills = []  # (attempt, where, heartbeat at the kill)
     sup = _start(digits_job, run)
@@ -114,14 +115,14 @@ def test_killed_runs_end_bit_identical_to_an_uninterrupted_one(digits_job, tmp_p
     # 1. mid-epoch, at a random step that is not a checkpoint step
     target = rng.choice([s for s in range(12, 80) if s % EVERY_STEPS])
     pid = _wait_for(journal, "attempt_started", 1)["pid"]
-    hb = _wait_heartbeat(run, 1, lambda h: h.get("step", 0) >= target)
+    hb = _wait_heartbeat(ctl.control, 1, lambda h: h.get("step", 0) >= target)
     os.kill(pid, signal.SIGKILL)
     kills.append((1, "mid-epoch", hb))
 
     # 2. between epochs: the epoch has ended, its checkpoint is not written yet
     pid = _wait_for(journal, "attempt_started", 2)["pid"]
     ready = _wait_for(journal, "worker_ready", 2)
-    hb = _wait_heartbeat(run, 2, lambda h: h.get("phase") == "epoch_end"
+    hb = _wait_heartbeat(ctl.control, 2, lambda h: h.get("phase") == "epoch_end"
                          and h["epoch"] > ready["resumed_from_epoch"])
     os.kill(pid, signal.SIGKILL)
     kills.append((2, "between epochs", hb))
@@ -139,7 +140,7 @@ def test_killed_runs_end_bit_identical_to_an_uninterrupted_one(digits_job, tmp_p
         observer.join(5)
     while pid_alive(pid):
         time.sleep(0.01)
-    hb = dict(heartbeat.read(str(run)))
+    hb = dict(heartbeat.read(ctl.control))
     hb["step"] = int(os.path.basename(handler.path).split("-")[1])  # the step being committed
     kills.append((3, "during a checkpoint write" if os.path.exists(handler.path)
                   else "right after a checkpoint write", hb))
@@ -152,7 +153,7 @@ def test_killed_runs_end_bit_identical_to_an_uninterrupted_one(digits_job, tmp_p
     sup.wait()
     while pid_alive(pid):
         time.sleep(0.01)
-    kills.append((4, "supervisor killed", heartbeat.read(str(run))))
+    kills.append((4, "supervisor killed", heartbeat.read(ctl.control)))
     again = _start(digits_job, run)
     out, _ = again.communicate(timeout=300)
     assert again.returncode == 0, out
@@ -210,11 +211,11 @@ def test_checkpoint_moves_between_8_replicas_and_1(tmp_path):
     shutil.copy(os.path.join(ROOT, "jobs", "digits", "digits_job.py"), tmp_path)
     job = tmp_path / "job.yaml"
     run = tmp_path / "run"
-    journal = Journal(str(run / "events.jsonl"))
     eight = dict(os.environ, **{CPU_DEVICES_ENV: "8"})
 
     # 8 replicas (global batch 32): stopped in the middle of epoch 2
     job.write_text(REPLICA_JOB.replace("EPOCHS", "4"))
+    journal = Journal(live(job, run).journal)
     sup = _start(str(job), run, env=eight)
     _wait_for(journal, "worker_ready", 1)
     _wait_for(journal, "checkpoint_committed", None, where=lambda e: e["epoch"] == 1

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, live
 from orchestrator.core import heartbeat
 from orchestrator.core.journal import Journal
 
@@ -83,7 +83,8 @@ def _started(journal, n):
 def test_kills_during_start_up_and_training_complete_on_the_default_budget(tmp_path):
     job = _job(tmp_path, epochs=2)
     run = tmp_path / "run"
-    journal = Journal(str(run / "events.jsonl"))
+    ctl = live(job, run)
+    journal = Journal(ctl.journal)
     sup = _start(job, run)
     # four kills during start-up (before the first step; the first a SIGTERM), two in training
     for n in range(1, 5):
@@ -93,8 +94,8 @@ def test_kills_during_start_up_and_training_complete_on_the_default_budget(tmp_p
         os.kill(pid, signal.SIGTERM if n == 1 else signal.SIGKILL)
     for n in (5, 6):
         pid = _wait(lambda: _started(journal, n), what=f"attempt {n}")["pid"]
-        _wait(lambda: (heartbeat.read(str(run)) or {}).get("attempt") == n
-              and heartbeat.read(str(run)).get("phase") == "training", what="training")
+        _wait(lambda: (heartbeat.read(ctl.control) or {}).get("attempt") == n
+              and heartbeat.read(ctl.control).get("phase") == "training", what="training")
         os.kill(pid, signal.SIGKILL)
     out, _ = sup.communicate(timeout=300)
     assert sup.returncode == 0, out
@@ -131,11 +132,12 @@ def test_sigterm_mid_epoch_saves_that_step_and_the_run_resumes_there_bit_identic
     ref_done = _ev(Journal(str(tmp_path / "ref" / "events.jsonl")).events(), "run_completed")[0]
 
     run = tmp_path / "run"
-    journal = Journal(str(run / "events.jsonl"))
+    ctl = live(job, run)
+    journal = Journal(ctl.journal)
     sup = _start(job, run)
     spe = _wait(lambda: next(journal.iter("worker_ready"), None))["steps_per_epoch"]
     target = spe + spe // 2  # the middle of epoch 2: epoch 1's checkpoint is behind
-    _wait(lambda: (heartbeat.read(str(run)) or {}).get("step", 0) >= target, what="step")
+    _wait(lambda: (heartbeat.read(ctl.control) or {}).get("step", 0) >= target, what="step")
     sup.send_signal(signal.SIGTERM)
     out, _ = sup.communicate(timeout=60)
     assert sup.returncode == 130, out

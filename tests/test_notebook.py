@@ -126,3 +126,53 @@ def test_cell_shows_progress_and_an_interrupt_stops_the_worker_then_rerun_resume
     epochs = [e["epoch"] for e in Journal(str(run / "events.jsonl")).events()
               if e["event"] == "epoch_completed"]
     assert epochs == [1, 2, 3, 4, 5, 6]
+
+
+CELL_JOB = """
+import numpy as np
+
+class Size:
+    n = 8
+
+def load_data():
+    return {{"train": (np.zeros((Size.n, 2)), np.zeros(Size.n))}}
+
+def build_model():  # the fake worker never calls it
+    import keras
+    return keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+
+rc = orchestrator.run(model=build_model, data=load_data, name="cell", epochs=4, batch_size=8,
+                      run_dir={run!r})
+print("rc", rc)
+"""
+
+
+def test_a_job_defined_in_a_cell_resumes_when_the_same_cell_runs_in_a_new_kernel(
+        tmp_path, kernel_for):
+    """A recycled VM: the kernel that ran the cell is gone, a new one runs the same cell. The
+    functions' pickles differ between the two kernels (cloudpickle gives the cell's class a
+    random id); the code they carry does not, so the run resumes instead of being refused."""
+    run = tmp_path / "run"
+    cell = CELL_JOB.format(run=str(run))
+    k = kernel_for({"epoch_s": 0.6, "batches": 6})
+
+    def interrupt_after_one_epoch(text):
+        if "epoch 1/4" in text and not k.interrupted:
+            k.interrupted = True
+            k.km.interrupt_kernel()
+
+    k.interrupted = False
+    reply, text = k.execute(cell, on_text=interrupt_after_one_epoch)
+    assert reply["status"] == "error" and reply["ename"] == "KeyboardInterrupt", text
+    assert "the job's functions (build_model, load_data) are carried in" in text
+    first = (run / "code.pkl").read_bytes()
+    k.close()
+
+    k2 = kernel_for({"epoch_s": 0.1})
+    reply, text = k2.execute(cell, timeout=120)
+    assert reply["status"] == "ok", text
+    assert "rc 0" in text and "resuming run 'cell'" in text
+    assert (run / "code.pkl").read_bytes() != first  # this kernel's pickle, of the same code
+    epochs = [e["epoch"] for e in Journal(str(run / "events.jsonl")).events()
+              if e["event"] == "epoch_completed"]
+    assert epochs == [1, 2, 3, 4]

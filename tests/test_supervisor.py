@@ -5,7 +5,7 @@ import subprocess
 import sys
 import time
 
-from conftest import ROOT, supervise, supervisor_process
+from conftest import ROOT, live, supervise, supervisor_process
 from orchestrator.core import heartbeat
 from orchestrator.core.journal import Journal
 from orchestrator.core.osutil import pid_alive
@@ -185,7 +185,7 @@ def test_sigterm_to_the_supervisor_is_a_preemption_notice_the_worker_saves_its_s
     p = supervisor_process(job, {"epoch_s": 4, "batches": 10})
     deadline = time.time() + 30
     while time.time() < deadline:
-        hb = heartbeat.read(str(run))
+        hb = heartbeat.read(live(job, run).control)
         if hb and hb.get("phase") == "training" and hb.get("epoch") == 0 and hb.get("batch", 0) >= 3:
             break
         time.sleep(0.02)
@@ -211,7 +211,8 @@ def test_the_run_directory_gone_for_seconds_is_reported_and_the_run_completes(fa
     run, away = tmp_path / "run", tmp_path / "run-away"
     p = supervisor_process(job, {"epoch_s": 4, "batches": 10})
     deadline = time.time() + 30
-    while time.time() < deadline and not (heartbeat.read(str(run)) or {}).get("phase") == "training":
+    while time.time() < deadline and not (heartbeat.read(live(job, run).control) or {}).get(
+            "phase") == "training":
         time.sleep(0.05)
     os.rename(run, away)
     run.write_text("not a directory: the mount is gone")
@@ -228,3 +229,22 @@ def test_the_run_directory_gone_for_seconds_is_reported_and_the_run_completes(fa
     assert restored["outage_s"] > 0
     assert [e["epoch"] for e in events if e["event"] == "epoch_completed"] == [1, 2, 3]
     assert names[-1] == "run_completed"
+
+
+def test_a_group_stops_every_rank_when_one_dies_and_restarts_as_one(fake_job, tmp_path):
+    """workers: 2 (local engine) with the fake worker: rank 1 SIGKILLs itself as epoch 2
+    begins; rank 0 is stopped at once, the failure is rank 1's, and attempt 2 (a new group)
+    completes the run."""
+    job = fake_job(epochs=3, extra="workers: 2")
+    rc, out, events = supervise(job, {"epoch_s": 0.3, "exit_at_epoch": {"1": [2, -9, 1]}})
+    assert rc == 0, out
+    failed = [e for e in events if e["event"] == "group_member_failed"]
+    assert [(e["attempt"], e["rank"], e["exit_code"], e["stopping"]) for e in failed] == \
+        [(1, 1, -9, [0])]
+    ended = [e for e in events if e["event"] == "attempt_ended"]
+    assert [(e["exit_code"], e["kind"]) for e in ended] == [(-9, "killed"), (0, None)]
+    starts = [e for e in events if e["event"] == "attempt_started"]
+    assert [[w["rank"] for w in e["workers"]] for e in starts] == [[0, 1], [0, 1]]
+    assert [e["epoch"] for e in events if e["event"] == "epoch_completed"] == [1, 2, 3]
+    after = events[events.index(failed[0]):]  # attempt 1's rank 0 was stopped: no more commits
+    assert all(e["attempt"] == 2 for e in after if e["event"] == "epoch_completed")

@@ -93,11 +93,14 @@ class TieredStore:
     def verify(self, path: str) -> str | None:
         return self.local.verify(path)
 
-    def latest_valid(self, on_skip: Callable[[Checkpoint, str], None] | None = None
-                     ) -> Checkpoint | None:
-        """The newest checkpoint with a copy that verifies in either tier; ``on_skip`` hears of
-        each copy passed over (corrupt, partial, unreadable)."""
-        for _, cs in sorted(self.copies().items(), reverse=True):
+    def latest_valid(self, on_skip: Callable[[Checkpoint, str], None] | None = None,
+                     step: int | None = None) -> Checkpoint | None:
+        """The newest checkpoint with a copy that verifies in either tier (only ``step``'s,
+        when given); ``on_skip`` hears of each copy passed over (corrupt, partial,
+        unreadable)."""
+        for s, cs in sorted(self.copies().items(), reverse=True):
+            if step is not None and s != step:
+                continue
             for c in cs:
                 reason = self.local.verify(c.path)
                 if reason is None:

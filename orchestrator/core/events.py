@@ -62,6 +62,8 @@ class Event:
     STANDBY_LOST = "standby_lost"
     #: the worker got SIGTERM (a preemption notice), saved its state (``step``) and exited
     PREEMPTED = "preempted"
+    #: a rank of a multi-worker group failed: the others are stopped (supervise/group.py)
+    GROUP_MEMBER_FAILED = "group_member_failed"
     #: the worker process exited (kind when it failed)
     ATTEMPT_ENDED = "attempt_ended"
     #: no heartbeat for hang_timeout

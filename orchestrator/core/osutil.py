@@ -25,10 +25,21 @@ def fsync_dir(path: str) -> bool:
         os.close(fd)
 
 
-def write_atomic(path: str, data: bytes, durable: bool = True) -> None:
-    """Write ``data`` to ``path`` so a reader sees the old or the new content, never half."""
+def write_atomic(path: str, data: bytes, durable: bool = True, mode: int | None = None) -> None:
+    """Write ``data`` to ``path`` so a reader sees the old or the new content, never half.
+
+    ``mode``: the new file is created with it (the umask may take bits away, never add any),
+    not widened first and narrowed later (a leftover temporary file is removed, not reused)."""
     tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
+    if mode is None:
+        f = open(tmp, "wb")
+    else:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        f = os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode), "wb")
+    with f:
         f.write(data)
         if durable:
             f.flush()

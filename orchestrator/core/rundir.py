@@ -32,12 +32,17 @@ CPU_DEVICES_ENV = "ORCHESTRATOR_CPU_DEVICES"
 ENV_STRATEGY = "ORCHESTRATOR_STRATEGY"          # strategy fallback: tpu|gpu|cpu
 ENV_BATCH_SIZE = "ORCHESTRATOR_BATCH_SIZE"      # per-replica batch after halving on OOM
 ENV_REINIT = "ORCHESTRATOR_REINIT_ACCELERATOR"  # "1": shut down + initialise the TPU system
+# Several workers: every rank restores exactly this step (none: start afresh), so that no rank
+# resumes from a checkpoint another rank cannot see (supervise/group.py).
+ENV_RESTORE_STEP = "ORCHESTRATOR_RESTORE_STEP"
 
 
 # The control state's names, relative to ``RunDir.control`` and, mirrored, to ``RunDir.root``.
 JOURNAL_FILE = "events.jsonl"
 ATTEMPTS_DIR = "attempts"
 FAULTS_DIR = "faults"
+# TensorBoard's logs when a job says `tensorboard: true` (train/tensorboard.py), in ``root``.
+TENSORBOARD_DIR = "tensorboard"
 
 
 class RunDirUnreachable(Exception):
@@ -89,15 +94,21 @@ class RunDir:
         """The final model for inference (.keras, .weights.h5, saved_model/, export.json)."""
         return os.path.join(self.root, "export")
 
-    def attempt_log(self, n: int) -> str:
-        return os.path.join(self.attempts, f"{n}.log")
+    def attempt_log(self, n: int, rank: int = 0) -> str:
+        return os.path.join(self.attempts, f"{n}.log" if not rank else f"{n}.r{rank}.log")
 
     def standby_log(self, for_attempt: int) -> str:
         """A standby's output until it is promoted (then it becomes ``attempt_log``)."""
         return os.path.join(self.attempts, f"standby-{for_attempt}.log")
 
-    def error_record(self, n: int) -> str:
-        return os.path.join(self.attempts, f"{n}.error.json")
+    def error_record(self, n: int, rank: int = 0) -> str:
+        return os.path.join(self.attempts, f"{n}.error.json" if not rank
+                            else f"{n}.r{rank}.error.json")
+
+    def for_rank(self, rank: int) -> str:
+        """Where a worker of rank > 0 keeps its own journal and heartbeat: rank 0 (the chief)
+        speaks for the group in the run's journal; the others' would say the same again."""
+        return self.control if not rank else os.path.join(self.control, f"rank-{rank}")
 
     def make(self) -> "RunDir":
         """Create what a run needs to start; ``checkpoints/`` (the durable tier) is created by

@@ -18,7 +18,12 @@ STRATEGIES = ("auto", "tpu", "gpu", "cpu")
 SCHEDULES = ("step_decay", "cosine", "piecewise")
 BUILTIN_CALLBACKS = ("early_stopping", "reduce_lr_on_plateau", "terminate_on_nan")
 STANDBY_MODES = ("auto", "off", "import_only")
+ENGINES = ("local", "ray")  # who places the workers of a multi-worker job
 _FACTORY_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+# The module name of the functions ``orchestrator.run(model=fn, data=fn, ...)`` carries by value
+# (core/cellcode.py): ``__cell__:build_model`` is no importable module, it names a function in
+# the job's ``code`` file.
+CELL_MODULE = "__cell__"
 
 
 class SpecError(Exception):
@@ -105,6 +110,16 @@ class CallbackSpec:
 
 
 @dataclass(frozen=True)
+class TensorBoardSpec:
+    """Scalars for TensorBoard (train/tensorboard.py): per epoch, and every ``every_steps``
+    global steps (multiples of it, so that every attempt writes at the same steps; 0: per
+    epoch only). Steps are the run's global step, which continues across restarts."""
+
+    dir: str = ""          # "" until load() fills <run_dir>/tensorboard; relative: to run_dir
+    every_steps: int = 100
+
+
+@dataclass(frozen=True)
 class RestartSpec:
     max: int = 3                     # failures of the job or the runtime since the last new checkpoint
     preemptions: int | None = None   # kills from outside (preemptions); None: no limit
@@ -153,6 +168,21 @@ class RecoverySpec:
 
 
 @dataclass(frozen=True)
+class CodeSpec:
+    """The functions of a job defined in a notebook cell or a script's ``__main__``
+    (``orchestrator.run(model=fn, data=fn, ...)``), carried by value (core/cellcode.py).
+
+    ``file`` (next to the frozen job) holds them, cloudpickled; ``sha256`` is that file's hash,
+    checked before anything in it is unpickled; ``fingerprint`` identifies the code itself,
+    the same in every process that runs the same cell, and is part of the training hash: the
+    file's bytes differ from one kernel to the next, the code they carry does not."""
+
+    file: str = "code.pkl"
+    sha256: str = ""
+    fingerprint: str = ""
+
+
+@dataclass(frozen=True)
 class JobSpec:
     name: str
     model: Factory
@@ -178,11 +208,21 @@ class JobSpec:
     standby: str = "auto"            # a warm standby worker: auto | off | import_only
     probe_interval: float = 60.0     # accelerator probe period while an attempt runs
     lock_stale_after: float = 120.0  # a lock silent this long may be taken over (another VM)
+    workers: int = 1                 # worker processes training together (MultiWorkerMirrored)
+    engine: str = "local"            # local: processes here; ray: placed by Ray (ENGINES)
+    address: str | None = None       # the Ray cluster (else RAY_ADDRESS, else a local Ray)
+    worker_resources: tuple = (("CPU", 1.0),)  # one Ray bundle per worker holds these
     recovery: RecoverySpec = RecoverySpec()
+    tensorboard: TensorBoardSpec | None = None  # None: no TensorBoard logs (the default)
+    code: CodeSpec | None = None     # the functions orchestrator.run(model=fn, ...) carried
 
     def training_relevant(self) -> dict:
-        """What decides the trained model (not epochs, restarts, checkpoints or paths)."""
+        """What decides the trained model (not epochs, restarts, checkpoints or paths). The
+        carried code's fingerprint only where there is one: the hash of a YAML job, and so its
+        resume, is what it was before code could be carried."""
+        code = {"code": self.code.fingerprint} if self.code else {}
         return json.loads(json.dumps({
+            **code,
             "model": dataclasses.asdict(self.model),
             "data": dataclasses.asdict(self.data),
             "compile": dataclasses.asdict(self.compile) if self.compile else None,

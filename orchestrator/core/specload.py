@@ -16,10 +16,11 @@ from typing import Any
 import yaml
 
 from orchestrator.core.kinds import ACTIONS, KINDS
-from orchestrator.core.spec import (_FACTORY_RE, BUILTIN_CALLBACKS, SCHEDULES, STANDBY_MODES,
-                                    STRATEGIES, CallbackSpec, CheckpointSpec, CompileSpec,
-                                    CrashLoopSpec, Factory, JobSpec, LearningRateSpec,
-                                    RecoverySpec, RestartSpec, Rung, SpecError)
+from orchestrator.core.spec import (_FACTORY_RE, BUILTIN_CALLBACKS, CELL_MODULE, ENGINES,
+                                    SCHEDULES, STANDBY_MODES, STRATEGIES, CallbackSpec,
+                                    CheckpointSpec, CodeSpec, CompileSpec, CrashLoopSpec, Factory,
+                                    JobSpec, LearningRateSpec, RecoverySpec, RestartSpec, Rung,
+                                    SpecError, TensorBoardSpec)
 
 # --------------------------------------------------------------------------------------------
 # YAML with line numbers
@@ -158,6 +159,7 @@ class _Reader:
 
 # Each default is declared once, on its dataclass field; the loader reads it from there.
 _RS, _CK, _RC, _CL = RestartSpec(), CheckpointSpec(), RecoverySpec(), CrashLoopSpec()
+_TB = TensorBoardSpec()
 _JOB = {f.name: f.default for f in dataclasses.fields(JobSpec)
         if f.default is not dataclasses.MISSING}
 
@@ -165,7 +167,8 @@ TOP_KEYS = {
     "name", "model", "data", "compile", "epochs", "batch_size", "strategy", "run_dir", "seed",
     "checkpoint", "restarts", "heartbeat_interval", "deterministic", "learning_rate", "callbacks",
     "hang_timeout", "startup_timeout", "stop_grace", "probe_interval", "recovery",
-    "preempt_grace", "standby", "lock_stale_after",
+    "preempt_grace", "standby", "lock_stale_after", "workers", "engine", "address",
+    "worker_resources", "tensorboard", "code",
 }
 RECOVERY_KEYS = {
     "ladders", "reinstall_tensorflow", "reinstall_max", "pip", "pip_args",
@@ -317,10 +320,16 @@ def load(path: str, run_dir: str | None = None) -> JobSpec:
     except OSError as exc:
         raise SpecError(path, None, None, f"cannot read the job file: {exc.strerror}") from None
     data, lines = _compose(text, path)
-    r = _Reader(path, lines)
     if data is None:
         raise SpecError(path, None, None, "the job file is empty; expected a mapping with "
                         "name, model, data, epochs and batch_size")
+    return load_mapping(data, path, run_dir, lines)
+
+
+def load_mapping(data, path: str, run_dir: str | None = None, lines=None) -> JobSpec:
+    """Validate a job given as a mapping (what the YAML of a job file holds), every mistake at
+    once, named by ``path`` (the file, or the call that gave the mapping) and the key."""
+    r = _Reader(path, lines or {})
     try:
         spec = _read(r, data, path, run_dir)
     except SpecError as exc:
@@ -408,8 +417,62 @@ def _read(r: _Reader, data: dict, path: str, run_dir: str | None) -> JobSpec:
         probe_interval=r.number(data, "probe_interval", "probe_interval", _JOB["probe_interval"], 0.1),
         lock_stale_after=r.number(data, "lock_stale_after", "lock_stale_after",
                                   _JOB["lock_stale_after"], 2.0),
+        workers=r.integer(data, "workers", "workers", _JOB["workers"], 1),
+        engine=r.string(data, "engine", "engine", _JOB["engine"], ENGINES),
+        address=r.string(data, "address", "address", _JOB["address"]),
+        worker_resources=_resources(r, data),
         recovery=_recovery(r, data["recovery"]) if "recovery" in data else RecoverySpec(),
+        tensorboard=_tensorboard(r, data.get("tensorboard", False), rd),
+        code=_code(r, data),
     )
+
+
+def _code(r: _Reader, data: dict) -> CodeSpec | None:
+    """``code: {file, sha256, fingerprint}``, written by ``orchestrator.run(model=fn, ...)``
+    into the frozen job; required exactly when a factory names ``__cell__:function``."""
+    def names_cell(v) -> bool:
+        if isinstance(v, dict):
+            v = list(v.values())
+        if isinstance(v, list):
+            return any(names_cell(x) for x in v)
+        return isinstance(v, str) and v.startswith(CELL_MODULE + ":")
+
+    cell = [k for k in ("model", "data", "learning_rate", "callbacks") if names_cell(data.get(k))]
+    if "code" not in data:
+        for k in cell:
+            r.note(k, f"'{CELL_MODULE}:...' names a function carried by orchestrator.run("
+                      f"{k}=function), but the job has no 'code' section naming its file")
+        return None
+    c = r.mapping(data["code"], "code", {"file", "sha256", "fingerprint"}, {"file", "sha256"})
+    file = r.string(c, "file", "code.file")
+    if file and (os.path.basename(file) != file or file.startswith(".")):
+        r.note("code.file", f"expected a file name next to the job file, got {file!r}")
+    digests = {}
+    for k in ("sha256", "fingerprint"):
+        v = c.get(k, "")
+        if not (isinstance(v, str) and re.fullmatch(r"[0-9a-f]{64}", v)) and k in c:
+            r.note(f"code.{k}", f"expected 64 hexadecimal digits (a sha256), got {v!r}")
+        digests[k] = v if isinstance(v, str) else ""
+    return CodeSpec(file=file or CodeSpec.file, **digests)
+
+
+def _tensorboard(r: _Reader, v, run_dir: str) -> TensorBoardSpec | None:
+    """``tensorboard: false | true | PATH | {dir: PATH, every_steps: N}``; a relative PATH is
+    in the run directory, so that the logs travel with the run (a Drive folder)."""
+    from orchestrator.core.rundir import TENSORBOARD_DIR
+
+    if v is False or v is None:
+        return None
+    c = {} if v is True else {"dir": v} if isinstance(v, str) else v
+    if not isinstance(c, dict):
+        r.fail("tensorboard", f"expected true, false, a log directory or a mapping "
+               f"{{dir: PATH, every_steps: N}}, got {v!r}")
+    r.mapping(c, "tensorboard", {"dir", "every_steps"})
+    d = r.string(c, "dir", "tensorboard" if isinstance(v, str) else "tensorboard.dir",
+                 TENSORBOARD_DIR)
+    return TensorBoardSpec(
+        dir=os.path.normpath(os.path.join(run_dir, os.path.expanduser(d or TENSORBOARD_DIR))),
+        every_steps=r.integer(c, "every_steps", "tensorboard.every_steps", _TB.every_steps, 0))
 
 
 CHECKPOINT_KEYS = {"every_epochs", "keep", "every_steps", "every_seconds", "keep_every_epochs",
@@ -456,3 +519,20 @@ def _checkpoint_spec(r: _Reader, c, name: str, run_dir: str) -> CheckpointSpec:
         upload_backoff_max=r.number(b, "max", "checkpoint.upload_backoff.max",
                                     _CK.upload_backoff_max, 0),
     )
+
+
+def _resources(r: _Reader, data) -> tuple:
+    """``worker_resources: {CPU: 1, GPU: 1}``: what Ray reserves for each worker."""
+    if "worker_resources" not in data:
+        return _JOB["worker_resources"]
+    res = data["worker_resources"]
+    if not isinstance(res, dict) or not res:
+        return r.note("worker_resources", "expected a mapping of Ray resource names to "
+                      "amounts, e.g. {CPU: 1, GPU: 1}", _JOB["worker_resources"])
+    out = []
+    for name, amount in res.items():
+        if isinstance(amount, bool) or not isinstance(amount, (int, float)) or amount <= 0:
+            r.note(f"worker_resources.{name}", f"expected a positive number, got {amount!r}")
+            continue
+        out.append((str(name), float(amount)))
+    return tuple(sorted(out))

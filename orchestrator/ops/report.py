@@ -18,7 +18,8 @@ import time
 
 from orchestrator.ops import timeline
 from orchestrator.core.formatting import fmt_duration, fmt_metrics
-from orchestrator.ops.status import format_budgets, format_outage, load_run, run_status
+from orchestrator.ops.status import (format_budgets, format_outage, format_workers, load_run,
+                                     run_status)
 from orchestrator.core.kinds import Kind
 
 # Fixed colours, so a reader (and the rendering test) can tell the series apart.
@@ -240,6 +241,7 @@ def render_html(s: dict, tl: timeline.Timeline, images: dict, now: float) -> str
             "(" + ", ".join(f"{k}: {n}" for k, n in s["restarts_by_kind"].items()) + ")"
             if s["restarts_by_kind"] else "")),
         ("budgets", format_budgets(s["budgets"]) if s["budgets"] else "-"),
+        ("workers", format_workers(s["workers"]) if s["workers"] else "1"),
         ("run directory outages", "; ".join(format_outage(o) for o in s["run_dir_outages"])
          or "none"),
         ("goodput", "-" if s["goodput"] is None else

@@ -102,6 +102,8 @@ def run_status(run_dir: str, now: float | None = None) -> dict:
                                       tier_event["event"] == Event.DURABLE_UNREACHABLE else None),
         "durable_error": durable_error,
         "run_dir_outages": outages(events, now),
+        "workers": next((e.get("workers") for e in reversed(events)
+                         if e["event"] == Event.ATTEMPT_STARTED), None),
         "last_error": _last_error(failed, run_failed),
         "failure": None if run_failed is None or state != "failed" else {
             k: run_failed.get(k) for k in ("kind", "reason", "evidence", "tried")
@@ -151,6 +153,11 @@ def outages(events: list[dict], now: float) -> list[dict]:
         if o["ongoing"]:
             o["outage_s"] = round(now - o["since"], 3)
     return out
+
+
+def format_workers(workers: list[dict]) -> str:
+    """The ranks of the last attempt's group (status and the report)."""
+    return ", ".join(f"rank {w['rank']} pid {w['pid']} on {w['host']}" for w in workers)
 
 
 def format_outage(o: dict) -> str:
@@ -243,6 +250,8 @@ def format_status(s: dict, now: float | None = None) -> str:
                      f"{fmt_duration(now - s['durable_unreachable_since'])}; training goes on")
     if s.get("durable_error"):
         lines.append(f"  durable tier: {s['durable_error']}")
+    if s.get("workers"):
+        lines.append(f"  workers: {format_workers(s['workers'])}")
     for o in s.get("run_dir_outages", [])[-3:]:
         lines.append(f"  run directory unreachable {format_outage(o)}")
     if s["metrics"]:

@@ -45,7 +45,8 @@ def admit(spec: JobSpec, rd: RunDir, force: bool, say) -> Admission:
             f"{spec.job_path}: cannot resume the run in {rd.root}: {what} changed "
             f"since it was created (training hash {old[:12]} in run.json, {new[:12]} now). "
             f"Resuming would continue its checkpoints with a different training. Use another "
-            f"run_dir for a new run, or `orchestrator run --force` to resume anyway.")
+            f"run_dir for a new run, or `orchestrator run --force` (orchestrator.run(..., "
+            f"force=True)) to resume anyway.")
     say(f"resuming despite changed {what} (--force)")
     return Admission({"changed": changed, "old_hash": old, "new_hash": new})
 

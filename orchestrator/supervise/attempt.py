@@ -141,8 +141,8 @@ class Attempt:
                 item = self.events.get(timeout=max(0.0, timeout))
             except queue.Empty:
                 item = ("tick",)
-            if item[0] == "exit" and item[1] is self.proc:
-                rc = item[2]
+            rc = self._exited(item)
+            if rc is not None:
                 break
             if item[0] == "checkpoint":
                 on_checkpoint()
@@ -169,6 +169,11 @@ class Attempt:
         return Outcome(self.n, rc, time.time() - self.t0, hang_age, error, self.log,
                        self._oom_evidence(rc) if hang_age is None else None)
 
+    def _exited(self, item: tuple) -> int | None:
+        """The attempt's exit status when ``item`` ends it (a group waits for all, or the
+        first that fails: supervise/group.py)."""
+        return item[2] if item[0] == "exit" and item[1] is self.proc else None
+
     def _oom_evidence(self, rc: int) -> str | None:
         if rc != -signal.SIGKILL:
             return None
@@ -191,10 +196,22 @@ class Attempt:
                  f" dumping its stacks into {self.log} and stopping it")
         dump_stacks(proc.pid, self.log)
         self.stop(grace=0.0)
+        return self._wait_stopped()
+
+    def _wait_stopped(self) -> int:
+        """After ``stop``: the exit status, once the process is gone."""
         while True:
             item = self.events.get()
-            if item[0] == "exit" and item[1] is proc:
+            if item[0] == "exit" and item[1] is self.proc:
                 return item[2]
+
+    def signal(self, sig: int) -> None:
+        """Send ``sig`` to the worker's whole process group (SIGSTOP/SIGCONT: the lease)."""
+        if self.proc is not None:
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                pass  # it has just exited: its exit is on the queue
 
     def stop(self, grace: float | None = None) -> None:
         """SIGTERM the worker's process group, wait ``grace``, then SIGKILL what is left of it

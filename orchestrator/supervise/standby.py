@@ -156,6 +156,8 @@ class Keeper:
     def mode(self) -> tuple[str | None, str]:
         if self.cmd is None:
             return None, "no standby with this worker command"
+        if self.spec.workers > 1 or self.spec.engine != "local":
+            return None, "several workers (a group) have no standby"
         return mode_for(self.spec.standby, self.strategy(), self.accelerator())
 
     def start(self, for_attempt: int) -> None:

@@ -40,7 +40,8 @@ from orchestrator.core import heartbeat
 from orchestrator.core.events import Event
 from orchestrator.core.journal import Journal
 from orchestrator.core.lock import Lease, LockLost, RunLock
-from orchestrator.core.rundir import EXIT_LOCK_LOST, EXIT_STOPPED, RunDir, RunDirUnreachable
+from orchestrator.core.rundir import (ENV_RESTORE_STEP, EXIT_LOCK_LOST, EXIT_STOPPED, RunDir,
+                                      RunDirUnreachable)
 from orchestrator.core.spec import JobSpec
 from orchestrator.recovery import faults as faults_mod
 from orchestrator.recovery.actions import Remedies
@@ -52,6 +53,7 @@ from orchestrator.supervise.attempt import Attempt, Every, Outcome, Stopped, kil
 from orchestrator.supervise.console import Progress
 from orchestrator.supervise.controlmirror import ControlMirror, Outage
 from orchestrator.supervise.finish import RunEnd, summary
+from orchestrator.supervise.group import GroupAttempt, LocalEngine
 from orchestrator.supervise.hangs import HangClock, HeartbeatEvents
 from orchestrator.supervise.ledger import CheckpointLedger
 from orchestrator.supervise.standby import Keeper
@@ -95,14 +97,16 @@ def export_command(spec: JobSpec) -> list[str]:
 
 class Supervisor:
     def __init__(self, spec: JobSpec, worker_cmd=worker_command, out=None, env=None,
-                 faults=(), force: bool = False, remount=None, export_cmd="auto",
+                 faults=(), force: bool = False, remount=None, export_cmd="auto", cell=None,
                  standby_cmd="auto"):
         """``force`` resumes under a changed training hash. ``remount(durable_dir)`` replaces
         the job's ``checkpoint.remount`` hook (a notebook may pass its own). ``export_cmd(spec)``
         is the exporter, ``standby_cmd(spec, attempt, mode)`` the standby worker; "auto" means
         the real one with the real worker and none with a custom worker command (tests' fake
-        workers)."""
+        workers). ``cell``: a job given to ``orchestrator.run`` as keywords
+        (core/cellcode.CellJob), frozen with its code once the run is admitted."""
         self.spec, self.force, self.worker_cmd, self.env = spec, force, worker_cmd, env
+        self.cell = cell
         if export_cmd == "auto":
             export_cmd = export_command if worker_cmd is worker_command else None
         if standby_cmd == "auto":
@@ -146,6 +150,7 @@ class Supervisor:
                           run_dir_back=self.control.flush)
         self._accel_ok: bool | None = None
         self._attempts_before = 0
+        self.engine = None  # several workers: who places them (supervise/group.py)
         self.standby = Keeper(spec, standby_cmd, self.rd, self.q, self.journal,
                               env=self._attempt_env, strategy=self.remedies.current_strategy,
                               accelerator=lambda: self.remedies.seen,
@@ -160,6 +165,7 @@ class Supervisor:
         try:
             self.progress.start()
             self._retry_start(lambda: self._open_run(stale, self.control.merge_on_start()))
+            self.engine = self._group_engine()
             self._watch(observer)
             self.mirror.start()
             self.control.start()
@@ -179,6 +185,8 @@ class Supervisor:
             if observer.is_alive():
                 observer.stop()
                 observer.join(timeout=5)
+            if self.engine is not None:
+                self.engine.close()
             self.mirror.stop()
             self.control.stop(self.spec.checkpoint.flush_timeout if self.lock_lost is None
                               else None)
@@ -235,10 +243,15 @@ class Supervisor:
                 raise Stopped()
         self._probe_accelerator(attempt=n)
         env = self._attempt_env(consume=True)
-        self.attempt = Attempt(n, self.worker_cmd(self.spec, n), env,
-                               self.spec.job_dir, self.rd.attempt_log(n), self.q, self.hang,
-                               self.journal, self.say, self.rd.error_record(n),
-                               self.spec.stop_grace)
+        args = (n, self.worker_cmd(self.spec, n), env, self.spec.job_dir,
+                self.rd.attempt_log(n), self.q, self.hang, self.journal, self.say,
+                self.rd.error_record(n), self.spec.stop_grace)
+        if self.engine is None:
+            self.attempt = Attempt(*args)
+        else:
+            self.attempt = GroupAttempt(*args, engine=self.engine, size=self.spec.workers,
+                                        rd=self.rd)
+            self.attempt.env[ENV_RESTORE_STEP] = self._group_restore_step()
         promoted, path = self.standby.promote(n, env)  # or, with why not, a cold start
         if promoted is not None:
             self.attempt.adopt(promoted, self.ledger.latest_epoch(), path)
@@ -344,13 +357,10 @@ class Supervisor:
         self.q.put(("stop",))
 
     def _signal_worker(self, sig: int) -> int | None:
-        pgid = self._worker_pgid()
-        if pgid is not None:
-            try:
-                os.killpg(pgid, sig)
-            except ProcessLookupError:
-                return None
-        return pgid
+        a = self.attempt
+        if a is not None:
+            a.signal(sig)
+        return self._worker_pgid()
 
     def _stand_down(self) -> int:
         """Another supervisor owns the run now: kill our worker at once (it is paused, and must
@@ -361,6 +371,29 @@ class Supervisor:
         self.say(f"{self.lock_lost}; this supervisor stops. What it held back stays in "
                  f"{self.rd.control}.")
         return EXIT_LOCK_LOST
+
+    def _group_engine(self):
+        """Who places the workers of a group; None for one local worker (the plain Attempt)."""
+        if self.spec.workers <= 1 and self.spec.engine == "local":
+            return None
+        if self.spec.engine == "ray":
+            from orchestrator.supervise.rayengine import RayEngine
+
+            return RayEngine(self.spec.address, dict(self.spec.worker_resources), self.say)
+        return LocalEngine()
+
+    def _group_restore_step(self) -> str:
+        """The step every rank restores ("": start afresh). With Ray, ranks on other nodes
+        read the run directory: the newest checkpoint is made durable first."""
+        latest = self.ledger.latest()
+        if latest is None:
+            return ""
+        if self.spec.engine == "ray" and self.mirror.running:
+            pending = self.mirror.flush(self.spec.checkpoint.flush_timeout)
+            if latest.step in pending:
+                self.say(f"checkpoint step {latest.step} is not durable yet: ranks on other "
+                         f"nodes may not see it")
+        return str(latest.step)
 
     def _counters(self) -> dict:
         return dict(self.policy.counters(), restarts=self.restarts)
@@ -384,7 +417,12 @@ class Supervisor:
             self.say(f"took over the run directory from a dead supervisor ({stale['reason']})")
             self.journal.append(Event.LOCK_TAKEN_OVER, previous=stale)
             kill_orphans(events, self.journal)
-        shutil.copyfile(self.spec.job_path, self.rd.job_copy)
+        if self.cell is None:
+            shutil.copyfile(self.spec.job_path, self.rd.job_copy)
+        else:
+            path = self.cell.freeze(self.rd.job_copy)
+            self.say(f"the job's functions ({', '.join(self.cell.code.names)}) are carried in "
+                     f"{path} ({len(self.cell.code.blob) / 1024:.0f} KiB)")
         admission.record(self.spec, self.rd, self.journal, admitted, self.store,
                          had_events=bool(events), say=self.say)
         self.remedies.recall(events)

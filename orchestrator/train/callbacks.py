@@ -7,6 +7,7 @@ captures what the job's own callbacks (ReduceLROnPlateau, EarlyStopping) did at 
 """
 from __future__ import annotations
 
+import tempfile
 import time
 
 import keras
@@ -253,8 +254,12 @@ class CheckpointCallback(keras.callbacks.Callback):
 
     def __init__(self, store: CheckpointStore, ckpt: CheckpointSpec, progress: Position,
                  steps_per_epoch: int, last_epoch: int, history: list, base_manifest: dict,
-                 states: CallbackStates, notice=None):
+                 states: CallbackStates, notice=None, chief: bool = True):
+        """``chief``: False for a rank > 0 of a multi-worker group, which saves into a
+        temporary folder that is deleted (TensorFlow's rule for saving under MWMS: every
+        rank saves, the chief's copy is the checkpoint; train/multiworker.py)."""
         super().__init__()
+        self.chief = chief
         self.store, self.ckpt, self.progress = store, ckpt, progress
         self.spe, self.last_epoch = steps_per_epoch, last_epoch
         self.history = list(history)
@@ -309,8 +314,12 @@ class CheckpointCallback(keras.callbacks.Callback):
                         weights_sha256=state.fingerprint(self.model),
                         state_sha256=state.state_fingerprint(self.model),
                         variables=state.describe(self.model))
-        self.store.commit(p.step, lambda d: state.save(self.model, d, extra), manifest,
-                          keep=self.ckpt.keep)
+        if self.chief:
+            self.store.commit(p.step, lambda d: state.save(self.model, d, extra), manifest,
+                              keep=self.ckpt.keep)
+        else:
+            with tempfile.TemporaryDirectory(prefix="orchestrator-rank-save-") as d:
+                state.save(self.model, d, extra)
         self._last_commit = time.monotonic()
         self._committed_step = p.step
 

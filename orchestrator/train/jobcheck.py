@@ -29,6 +29,11 @@ def check(spec) -> str:
     jobcode.import_tensorflow()
     import tensorflow as tf
 
+    if spec.tensorboard:
+        from orchestrator.train import tensorboard
+
+        tensorboard.require()
+
     made = jobcode.factories(spec)
     jobcode.check_compile(spec)
     data = jobcode.load_data(spec)

@@ -18,7 +18,8 @@ import re
 import sys
 from dataclasses import dataclass, field
 
-from orchestrator.core.spec import JobSpec
+from orchestrator.core import cellcode
+from orchestrator.core.spec import CELL_MODULE, JobSpec
 
 # Names ``Model.compile`` resolves itself by the labels' shape, which Keras's ``get`` does not
 # know (keras/src/trainers/compile_utils.py: get_metric, get_loss).
@@ -91,8 +92,11 @@ class Factory:
 
 
 def resolve(spec: JobSpec, factory, key: str) -> Factory:
-    """Import ``module:function`` of the job (from its directory first)."""
+    """Import ``module:function`` of the job (from its directory first), or take
+    ``__cell__:function`` from the code ``orchestrator.run(model=fn, ...)`` carried."""
     module_name, func_name = factory.target.split(":")
+    if module_name == CELL_MODULE:
+        return _carried(spec, factory, key)
     if spec.job_dir not in sys.path:
         sys.path.insert(0, spec.job_dir)
     where = _where(spec, key)
@@ -109,6 +113,24 @@ def resolve(spec: JobSpec, factory, key: str) -> Factory:
         raise JobError(f"{where}: module '{module_name}' has no function '{func_name}'", key)
     return Factory(key, factory.target, func, dict(factory.args),
                    getattr(module, "__file__", None), where)
+
+
+def _carried(spec: JobSpec, factory, key: str) -> Factory:
+    """A function of the job's carried code, which ``cellcode.load`` checks (owner, mode,
+    sha256) before it unpickles anything."""
+    where = _where(spec, key)
+    if spec.code is None:
+        raise JobError(f"{where}: {factory.target} names carried code, but the job has no "
+                       f"'code' section", key)
+    try:
+        functions = cellcode.load(spec.job_path, spec.code)
+    except cellcode.CodeError as exc:
+        raise JobError(f"{where}: {exc}", key) from exc
+    name = factory.target.split(":")[1]
+    if not callable(functions.get(name)):
+        raise JobError(f"{where}: the carried code ({spec.code.file}) has no function "
+                       f"'{name}'; it has {', '.join(functions) or 'none'}", key)
+    return Factory(key, factory.target, functions[name], dict(factory.args), None, where)
 
 
 def factories(spec: JobSpec) -> list[Factory]:

@@ -24,8 +24,9 @@ from orchestrator.recovery.faults import Injector
 from orchestrator.core.heartbeat import HeartbeatWriter, Position, register_stack_dump
 from orchestrator.core.journal import Journal
 from orchestrator.core.osutil import write_json_atomic
-from orchestrator.core.rundir import (CPU_DEVICES_ENV, ENV_BATCH_SIZE, ENV_REINIT, ENV_STRATEGY, EXIT_CONFIG, EXIT_PREEMPTED,
-                     RunDir)
+from orchestrator.core.rundir import (CPU_DEVICES_ENV, ENV_BATCH_SIZE, ENV_REINIT,
+                                      ENV_RESTORE_STEP, ENV_STRATEGY, EXIT_CONFIG, EXIT_PREEMPTED,
+                                      JOURNAL_FILE, RunDir)
 from orchestrator.core.spec import JobSpec, SpecError, load
 from orchestrator.core.events import Event
 from orchestrator.train.preemption import Preempted, PreemptionNotice
@@ -75,6 +76,7 @@ class Prepared:
     schedule: object
     job_callbacks: list
     val_ds: object
+    rank: int = 0  # in a multi-worker group (train/multiworker.py); 0 alone
 
 
 def prepare(spec: JobSpec, t_start: float, marks: dict) -> Prepared:
@@ -89,14 +91,20 @@ def prepare(spec: JobSpec, t_start: float, marks: dict) -> Prepared:
     import keras
     import tensorflow as tf
 
-    from orchestrator.train import datasets
+    from orchestrator.train import datasets, multiworker
     from orchestrator.train.accelerators import resolve_strategy
 
+    group = multiworker.cluster()
     keras.utils.set_random_seed(spec.seed)
     if spec.deterministic:
         tf.config.experimental.enable_op_determinism()
     spec, reinitialise = apply_overrides(spec)
-    strategy, described = resolve_strategy(spec.strategy, reinitialise=reinitialise)
+    if spec.tensorboard:
+        from orchestrator.train import tensorboard
+
+        tensorboard.require()  # before the model is built: one line naming the key and the extra
+    strategy, described = (multiworker.strategy(group) if group else
+                           resolve_strategy(spec.strategy, reinitialise=reinitialise))
     replicas = strategy.num_replicas_in_sync
     global_batch = spec.batch_size * replicas
     is_tpu = isinstance(strategy, tf.distribute.TPUStrategy)
@@ -111,7 +119,8 @@ def prepare(spec: JobSpec, t_start: float, marks: dict) -> Prepared:
     val_ds = datasets.validation_dataset(data, global_batch, drop_remainder=is_tpu)
     marks["model_built"] = round(time.time() - t_start, 3)
     return Prepared(spec, reinitialise, strategy, described, replicas, global_batch, is_tpu,
-                    data, spe, model, schedule, job_callbacks, val_ds)
+                    data, spe, model, schedule, job_callbacks, val_ds,
+                    group.rank if group else 0)
 
 
 def train(spec: JobSpec, rd: RunDir, attempt: int, progress, t_start: float,
@@ -122,7 +131,9 @@ def train(spec: JobSpec, rd: RunDir, attempt: int, progress, t_start: float,
     ``model_built``, ``restored``), journaled with ``worker_ready``: where a recovery's time goes.
     """
     marks = {} if marks is None else marks
-    heart = HeartbeatWriter(rd.control, attempt, spec.heartbeat_interval)
+    rank = _rank()
+    os.makedirs(rd.for_rank(rank), exist_ok=True)
+    heart = HeartbeatWriter(rd.for_rank(rank), attempt, spec.heartbeat_interval)
     heart.beat(force=True, phase="starting")
     prep = prepare(spec, t_start, marks)
     return run(prep, rd, attempt, progress, t_start, marks, notice, heart)
@@ -147,11 +158,12 @@ def run(prep: Prepared, rd: RunDir, attempt: int, progress, t_start: float, mark
     spec, strategy, model = prep.spec, prep.strategy, prep.model
     described, replicas, global_batch = prep.described, prep.replicas, prep.global_batch
     spe, data, is_tpu, schedule = prep.spe, prep.data, prep.is_tpu, prep.schedule
-    job_callbacks, val_ds = prep.job_callbacks, prep.val_ds
-    journal = Journal(rd.journal)
+    job_callbacks, val_ds, rank = prep.job_callbacks, prep.val_ds, prep.rank
+    os.makedirs(rd.for_rank(rank), exist_ok=True)
+    journal = Journal(os.path.join(rd.for_rank(rank), JOURNAL_FILE))
     notice = notice or PreemptionNotice()
     if heart is None:
-        heart = HeartbeatWriter(rd.control, attempt, spec.heartbeat_interval)
+        heart = HeartbeatWriter(rd.for_rank(rank), attempt, spec.heartbeat_interval)
         heart.beat(force=True, phase="starting")
     injector = Injector.from_env(rd.control, attempt, journal)
     states = CallbackStates(job_callbacks)
@@ -159,7 +171,7 @@ def run(prep: Prepared, rd: RunDir, attempt: int, progress, t_start: float, mark
     store = injector.wrap_store(tiers.for_spec(spec))  # commits: local tier
     store.remove_partial()
     skipped = []
-    latest = store.latest_valid(on_skip=lambda c, why: skipped.append((c, why)))
+    latest = _restore_point(store, rank, skipped)
     for c, why in skipped:
         journal.append(Event.CHECKPOINT_SKIPPED, source="worker", attempt=attempt, step=c.step,
                        path=c.path, reason=why)
@@ -207,6 +219,13 @@ def run(prep: Prepared, rd: RunDir, attempt: int, progress, t_start: float, mark
 
     if at.not_exact:
         not_exact(at.not_exact)
+    if spec.tensorboard:
+        from orchestrator.train import tensorboard
+
+        dropped = tensorboard.repair(spec.tensorboard.dir, at.step)
+        if dropped:
+            print(f"[worker] tensorboard: dropped {dropped} point(s) past step {at.step} "
+                  f"written by an earlier attempt ({spec.tensorboard.dir})", flush=True)
     print(f"[worker] attempt {attempt}: {described}, {replicas} replica(s), global batch "
           f"{global_batch}, resuming at epoch {at.epoch}/{spec.epochs} batch {at.batch}/{spe}"
           f"{' (a promoted standby)' if standby else ''}", flush=True)
@@ -230,8 +249,14 @@ def run(prep: Prepared, rd: RunDir, attempt: int, progress, t_start: float, mark
                         f"the checkpoint has no metric state for epoch {at.epoch + 1}: its "
                         f"reported metrics cover batches {at.batch + 1}.. only"])),
         HeartbeatCallback(heart, progress),
+    ]
+    if spec.tensorboard:  # before the checkpoint: a step's points are flushed before it commits
+        inner.append(tensorboard.TensorBoardCallback(spec.tensorboard.dir,
+                                                     spec.tensorboard.every_steps, progress,
+                                                     at.step))
+    inner += [
         CheckpointCallback(store, spec.checkpoint, progress, spe, spec.epochs, at.history,
-                           base_manifest, states, notice),
+                           base_manifest, states, notice, chief=rank == 0),
     ]
     if injector:
         inner.append(FaultCallback(injector, progress))
@@ -250,6 +275,35 @@ def run(prep: Prepared, rd: RunDir, attempt: int, progress, t_start: float, mark
     if strategy is tf.distribute.get_strategy():  # the default strategy: the plain CPU model
         _export_at_end(spec, rd, store, model, journal, heart, attempt, injector)
     return {"epochs": progress.epoch, "fingerprint": state.fingerprint(model)}
+
+
+def _rank() -> int:
+    """This worker's rank in its group (0 alone): from TF_CONFIG, read without TensorFlow."""
+    from orchestrator.train import multiworker
+
+    try:
+        group = multiworker.cluster()
+    except (ValueError, KeyError, TypeError):
+        return 0
+    return group.rank if group else 0
+
+
+def _restore_point(store, rank: int, skipped: list):
+    """The checkpoint to restore: the newest that verifies; in a group, exactly the step the
+    supervisor names for every rank (ENV_RESTORE_STEP; empty: start afresh)."""
+    step = os.environ.get(ENV_RESTORE_STEP)
+    on_skip = lambda c, why: skipped.append((c, why))  # noqa: E731
+    if step is None:
+        return store.latest_valid(on_skip=on_skip)
+    if not step:
+        return None
+    found = store.latest_valid(on_skip=on_skip, step=int(step))
+    if found is None:
+        raise JobError(
+            f"rank {rank} on host {os.uname().nodename} cannot see checkpoint step {step} in "
+            f"{store.local.root} or {store.durable.root}: every worker of a group must reach "
+            f"the run directory (a shared path: NFS, gcsfuse, a Drive mount)")
+    return found
 
 
 def _export_at_end(spec: JobSpec, rd: RunDir, store, model, journal, heart, attempt,
@@ -301,8 +355,11 @@ def write_error_record(rd: RunDir, attempt: int, exc: BaseException, progress,
         "fatal": fatal,
         **(progress.as_dict() if progress else {}),
     }
+    rank = _rank()
+    if rank:
+        record["rank"] = rank
     try:
-        write_json_atomic(rd.error_record(attempt), record)
+        write_json_atomic(rd.error_record(attempt, rank), record)
     except OSError as write_exc:  # the run dir itself may be what failed (Drive gone)
         print(f"[worker] could not write the error record: {write_exc}", file=sys.stderr)
 

@@ -8,6 +8,7 @@ plan in $FAKE_PLAN (JSON) says, per attempt number:
    "exit": {"1": 1},            attempt 1 exits with code 1 right after start
    "error": {"1": {"type": ..., "message": ...}}  attempt 1 records this error, exits 1
    "exit_at_epoch": {"2": [3, -9]}, attempt 2 SIGKILLs itself when epoch 3 would begin
+                                ([3, -9, 1]: only its rank 1, in a group of workers)
    "sleep_forever": ["3"],      attempt 3 never finishes (and never beats)
    "batches": 5,                heartbeats per epoch (up to 10), as the real worker's batches
    "mid_epoch": true,           also commit a checkpoint in the middle of each epoch
@@ -129,10 +130,18 @@ def _stand_by(a, plan) -> int:
     return order["attempt"]
 
 
+def _rank() -> int:
+    """A rank of a group (TF_CONFIG, as the real worker reads it); 0 alone."""
+    raw = os.environ.get("TF_CONFIG")
+    return int(json.loads(raw)["task"]["index"]) if raw else 0
+
+
 def train(spec, rd, attempt, plan, progress):
     n = str(attempt)
-    journal = Journal(rd.journal)
-    heart = HeartbeatWriter(rd.control, attempt, interval=0.0)
+    rank = _rank()  # ranks > 0 journal and beat in their own folder and commit nothing
+    os.makedirs(rd.for_rank(rank), exist_ok=True)
+    journal = Journal(os.path.join(rd.for_rank(rank), "events.jsonl"))
+    heart = HeartbeatWriter(rd.for_rank(rank), attempt, interval=0.0)
     heart.beat(phase="starting")
     injector = Injector.from_env(rd.control, attempt, journal)
     store = injector.wrap_store(tiers.for_spec(spec))
@@ -148,9 +157,13 @@ def train(spec, rd, attempt, plan, progress):
     journal.append("worker_ready", source="worker", attempt=attempt, strategy="fake",
                    steps_per_epoch=batches, resumed_from_epoch=start, pid=os.getpid())
     TERM["training"] = True
+
+    def commit(*args, **kw):
+        return store.commit(*args, **kw) if rank == 0 else None
+
     for epoch in range(start + 1, spec.epochs + 1):
         progress.epoch = epoch - 1
-        if stop and epoch == stop[0]:
+        if stop and epoch == stop[0] and (len(stop) < 3 or stop[2] == rank):
             if stop[1] < 0:
                 os.kill(os.getpid(), -stop[1])
             sys.exit(stop[1])
@@ -169,19 +182,19 @@ def train(spec, rd, attempt, plan, progress):
                 heart.beat(phase="training", epoch=epoch - 1, batch=batch)
             injector.at_step(progress.step)
             if TERM["at"] and step < STEPS:  # a preemption notice: save here, exit
-                store.commit(progress.step, payload, {"attempt": attempt, "epoch": epoch - 1,
+                commit(progress.step, payload, {"attempt": attempt, "epoch": epoch - 1,
                                                       "batch": step, "history": list(history)},
                              keep=spec.checkpoint.keep)
                 journal.append("preempted", source="worker", attempt=attempt,
                                step=progress.step, epoch=epoch - 1, batch=step)
                 sys.exit(EXIT_PREEMPTED)
             if plan.get("mid_epoch") and step == STEPS // 2:
-                store.commit(epoch * STEPS - 5, payload, {"attempt": attempt, "epoch": epoch - 1,
+                commit(epoch * STEPS - 5, payload, {"attempt": attempt, "epoch": epoch - 1,
                                                           "batch": 5, "history": list(history)},
                              keep=spec.checkpoint.keep)
         history.append({"epoch": epoch, "loss": 1.0 / epoch})
         early = plan.get("stop_early", {}).get(n) == epoch
-        store.commit(epoch * STEPS, payload, {"attempt": attempt, "epoch": epoch,
+        commit(epoch * STEPS, payload, {"attempt": attempt, "epoch": epoch,
                                               "history": list(history), "stopped_early": early,
                                               "weights_sha256": f"fake-{epoch}"},
                      keep=spec.checkpoint.keep)
