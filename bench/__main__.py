@@ -35,12 +35,14 @@ class Config:
     hang_timeout_s: float
     standby_epochs: int = 40  # digits, long enough for a standby to warm up behind the worker
     standby_kills: int = 1
+    standby_synth_epochs: int = 0  # the synthetic ResNet too (0: not in this mode)
     seed: int = 20261202
 
 
 FULL = Config("full", reps=3, digits_epochs=10, synth_examples=768, synth_epochs=6,
               recovery_kills=3, fault_reps=3, goodput_reps=2, kill_every_s=15.0, kills=2,
-              hang_timeout_s=6.0, standby_epochs=60, standby_kills=2)
+              hang_timeout_s=6.0, standby_epochs=60, standby_kills=2,
+              standby_synth_epochs=16)
 QUICK = Config("quick", reps=1, digits_epochs=4, synth_examples=384, synth_epochs=3,
                recovery_kills=1, fault_reps=1, goodput_reps=1, kill_every_s=12.0, kills=1,
                hang_timeout_s=5.0)
@@ -75,6 +77,14 @@ def prepare_jobs(cfg: Config, work: str, faults: bool) -> dict[str, str]:
         jobs[f"digits_standby_{mode}"] = arms.prepare_job(
             digits_src, os.path.join(work, "jobs", f"digits_standby_{mode}"),
             {"restarts": RESTARTS, "epochs": cfg.standby_epochs, "standby": mode})
+        if cfg.standby_synth_epochs:
+            jobs[f"synthetic_standby_{mode}"] = arms.prepare_job(
+                os.path.join(arms.ROOT, "jobs", "cifar10_resnet", "job.yaml"),
+                os.path.join(work, "jobs", f"synthetic_standby_{mode}"),
+                {"name": f"synthetic_standby_{mode}", "restarts": RESTARTS,
+                 "epochs": cfg.standby_synth_epochs, "deterministic": True, "standby": mode,
+                 "data": {"args": {"synthetic": True,
+                                   "synthetic_examples": cfg.synth_examples}}})
     if faults:  # only this job: a slow first step (tracing) must not pass for a hang elsewhere
         jobs["digits_hang"] = arms.prepare_job(
             digits_src, os.path.join(work, "jobs", "digits_hang"),
@@ -128,16 +138,19 @@ def standby(jobs: dict, cfg: Config, work: str) -> dict:
     """Kill -> next first step with the standby on and off, side by side: each kill once a
     checkpoint is committed (and, with it on, once a standby is ready behind the worker)."""
     out = {}
-    for mode in ("auto", "off"):
-        r = arms.run_orchestrator(jobs[f"digits_standby_{mode}"],
-                                  os.path.join(work, "standby", mode),
-                                  plan=arms.KillPlan(after_checkpoint=cfg.standby_kills,
-                                                     after_standby=mode == "auto"))
-        out[mode] = r
-        totals = [x["total"] for x in r["recoveries"]]
-        say(f"standby {mode}: rc {r['rc']}, paths {r['recovery_paths']}, kill -> first step "
-            f"{totals} s, cold start {r['startup'].get('total')} s, worker peak RSS "
-            f"{r['worker_peak_rss_mb']} MiB, standby RSS {r['standby_rss_mb']} MiB")
+    for job in ("digits", "synthetic"):
+        for mode in ("auto", "off"):
+            if f"{job}_standby_{mode}" not in jobs:
+                continue
+            r = arms.run_orchestrator(jobs[f"{job}_standby_{mode}"],
+                                      os.path.join(work, "standby", f"{job}-{mode}"),
+                                      plan=arms.KillPlan(after_checkpoint=cfg.standby_kills,
+                                                         after_standby=mode == "auto"))
+            out[f"{job}/{mode}"] = r
+            totals = [x["total"] for x in r["recoveries"]]
+            say(f"standby {job} {mode}: rc {r['rc']}, paths {r['recovery_paths']}, kill -> "
+                f"first step {totals} s, cold start {r['startup'].get('total')} s, worker "
+                f"peak RSS {r['worker_peak_rss_mb']} MiB, standby RSS {r['standby_rss_mb']} MiB")
     return out
 
 

@@ -255,9 +255,9 @@ def markdown(results: dict) -> str:
                  fmt_ratio(v["ratio_vs_cold_start"]), ", ".join(v["paths"] or []),
                  f"{v['worker_peak_rss_mb']}", f"{v['standby_rss_mb']}"]
                 for mode, v in sb.items()]
-        out += ["Warm standby (digits, the same job with `standby: auto` and `off`; each kill "
+        out += ["Warm standby (the same job with `standby: auto` and `off`; each kill "
                 "once a checkpoint is committed and, with `auto`, a standby is ready):", "",
-                md_table(["standby", "kill -> first step (median)", "cold start (this run)",
+                md_table(["job/standby", "kill -> first step (median)", "cold start (this run)",
                           "ratio", "recovery paths", "worker peak RSS (MiB)",
                           "standby RSS when ready (MiB)"], rows), ""]
 

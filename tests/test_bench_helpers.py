@@ -164,3 +164,19 @@ def test_export_time_is_the_exported_event_s_own_measure(journal):
     done = journal + [{"ts": 1017.3, "event": "exported", "path": "export", "step": 40,
                        "seconds": 0.8124}]
     assert breakdown.export_time(done) == pytest.approx(0.812)
+
+
+def test_standby_summary_sets_each_recovery_against_its_own_run_s_cold_start():
+    from bench import report
+
+    def run(totals, cold, rss):
+        return {"recoveries": [{"total": t} for t in totals], "startup": {"total": cold},
+                "recovery_paths": ["warm"] * len(totals), "worker_peak_rss_mb": 670.0,
+                "standby_rss_mb": rss, "rc": 0, "fingerprint": "f"}
+
+    s = report.standby_summary({"standby": {"digits/auto": run([0.1, 0.3], 5.0, [650.0, 660.0]),
+                                            "digits/off": run([6.0], 4.0, [])}})
+    assert s["digits/auto"]["kill_to_first_step_s"] == 0.2
+    assert s["digits/auto"]["ratio_vs_cold_start"] == 0.04
+    assert s["digits/auto"]["standby_rss_mb"] == 655.0
+    assert s["digits/off"]["ratio_vs_cold_start"] == 1.5 and s["digits/off"]["standby_rss_mb"] is None
