@@ -236,7 +236,7 @@ def test_a_group_stops_every_rank_when_one_dies_and_restarts_as_one(fake_job, tm
     begins; rank 0 is stopped at once, the failure is rank 1's, and attempt 2 (a new group)
     completes the run."""
     job = fake_job(epochs=3, extra="workers: 2")
-    rc, out, events = supervise(job, {"epoch_s": 0.3, "exit_at_epoch": {"1": [2, -9, 1]}})
+    rc, out, events = supervise(job, {"epoch_s": 1.0, "exit_at_epoch": {"1": [2, -9, 1]}})
     assert rc == 0, out
     failed = [e for e in events if e["event"] == "group_member_failed"]
     assert [(e["attempt"], e["rank"], e["exit_code"], e["stopping"]) for e in failed] == \
@@ -245,6 +245,6 @@ def test_a_group_stops_every_rank_when_one_dies_and_restarts_as_one(fake_job, tm
     assert [(e["exit_code"], e["kind"]) for e in ended] == [(-9, "killed"), (0, None)]
     starts = [e for e in events if e["event"] == "attempt_started"]
     assert [[w["rank"] for w in e["workers"]] for e in starts] == [[0, 1], [0, 1]]
-    assert [e["epoch"] for e in events if e["event"] == "epoch_completed"] == [1, 2, 3]
-    after = events[events.index(failed[0]):]  # attempt 1's rank 0 was stopped: no more commits
-    assert all(e["attempt"] == 2 for e in after if e["event"] == "epoch_completed")
+    epochs = [(e["epoch"], e["attempt"]) for e in events if e["event"] == "epoch_completed"]
+    # attempt 1's rank 0 was stopped a second before it could commit epoch 2: attempt 2 did
+    assert [x[0] for x in epochs] == [1, 2, 3] and epochs[1:] == [(2, 2), (3, 2)]

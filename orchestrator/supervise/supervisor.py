@@ -55,6 +55,7 @@ from orchestrator.supervise.controlmirror import ControlMirror, Outage
 from orchestrator.supervise.finish import RunEnd, summary
 from orchestrator.supervise.group import GroupAttempt, LocalEngine
 from orchestrator.supervise.hangs import HangClock, HeartbeatEvents
+from orchestrator.supervise.lease import LeaseKeeper
 from orchestrator.supervise.ledger import CheckpointLedger
 from orchestrator.supervise.standby import Keeper
 
@@ -121,16 +122,10 @@ class Supervisor:
         self.mirror = DurableMirror(self.store, self.journal, c.retention,
                                     c.upload_backoff_initial, c.upload_backoff_max,
                                     remount=remount or remount_hook(spec), say=self.say,
-                                    hold=lambda: self._keep_lock())
+                                    hold=lambda: self.keeper.hold())
         self.lock = RunLock(self.rd.root, stale_after=spec.lock_stale_after)
-        self.lease = Lease(spec.lock_stale_after)
         self.outage = Outage(self.journal, self.rd.root, self.say)
-        self.control = ControlMirror(self.rd, self.outage, hold=self._keep_lock)
-        self._lease_ok = threading.Event()
-        self._lease_ok.set()
-        self._paused_at: float | None = None
-        self.lock_lost: LockLost | None = None
-        self._lease_guard = threading.Lock()
+        self.control = ControlMirror(self.rd, self.outage, hold=lambda: self.keeper.hold())
         self.q: queue.Queue = queue.Queue()
         self.attempt: Attempt | None = None
         self._stop = threading.Event()
@@ -138,6 +133,9 @@ class Supervisor:
         self.restarts = 0
         self.progress = Progress(self.out, self.rd.control, spec.epochs)
         self.hang = HangClock(self.rd.control, spec.hang_timeout, spec.startup_timeout)
+        self.keeper = LeaseKeeper(self.lock, Lease(spec.lock_stale_after), self.outage,
+                                  self.journal, self.hang, self._signal_worker,
+                                  on_lost=self._on_lock_lost, say=self.say)
         self.remedies = Remedies(spec, self._base_env, own_pgid=self._worker_pgid,
                                  sleep=self._sleep, say=self.say)
         self.policy = RecoveryPolicy(spec.recovery, spec.restarts,
@@ -238,9 +236,8 @@ class Supervisor:
     def _run_attempt(self) -> Outcome:
         """Probe, spawn, wait until it exits or hangs, journal how it ended."""
         n = self._attempts_before = self._attempts_before + 1
-        while not self._lease_ok.wait(0.5):  # paused by the lease: start nothing
-            if self._stop.is_set():
-                raise Stopped()
+        if not self.keeper.wait_held(self._stop):  # paused by the lease: start nothing
+            raise Stopped()
         self._probe_accelerator(attempt=n)
         env = self._attempt_env(consume=True)
         args = (n, self.worker_cmd(self.spec, n), env, self.spec.job_dir,
@@ -307,51 +304,11 @@ class Supervisor:
         self._sleep(decision.delay_s)
 
     # ------------------------------------------------------------------ the lock's lease
-    def _keep_lock(self) -> bool:
-        """Before each control-mirror pass (its thread): refresh the lock when due and apply
-        the takeover rule of core/lock.py. False: write nothing to the run directory now."""
-        with self._lease_guard:
-            if self.lock_lost is not None:
-                return False
-            if not self.lease.due() and not self.outage.down and self._paused_at is None:
-                return True
-            try:
-                exc = self.lock.refresh()
-            except LockLost as lost:
-                self._lose_lock(lost)
-                return False
-            if exc is None:
-                self.lease.renewed()
-                if self._paused_at is not None:
-                    self._resume_worker()
-                return True
-            self.outage.failed(exc, during="refreshing the lock")
-            if self.lease.expired() and self._paused_at is None:
-                self._pause_worker()
-            return False
+    @property
+    def lock_lost(self) -> LockLost | None:
+        return self.keeper.lost
 
-    def _pause_worker(self) -> None:
-        self._paused_at = time.time()
-        self._lease_ok.clear()
-        self.hang.pause()
-        pgid = self._signal_worker(signal.SIGSTOP)
-        self.journal.append(Event.WORKER_PAUSED, pid=pgid, lease_s=self.lease.lease_s,
-                            stale_after_s=self.lease.stale_after)
-        self.say(f"the lock could not be refreshed for {self.lease.lease_s:.0f} s: the worker is "
-                 f"paused, so that no other machine can take the run over while it trains")
-
-    def _resume_worker(self) -> None:
-        paused = time.time() - self._paused_at
-        self._paused_at = None
-        pgid = self._signal_worker(signal.SIGCONT)
-        self.hang.resume()
-        self._lease_ok.set()
-        self.journal.append(Event.WORKER_RESUMED, pid=pgid, paused_s=round(paused, 3))
-        self.say(f"the lock is ours again: the worker goes on after {paused:.0f} s paused")
-
-    def _lose_lock(self, lost: LockLost) -> None:
-        self.lock_lost = lost
-        self.journal.append(Event.LOCK_LOST, owner=lost.current)
+    def _on_lock_lost(self, lost: LockLost) -> None:
         self.mirror.stop(timeout=0)  # no more uploads; a flush waiting on it returns
         self._stop.set()
         self.q.put(("stop",))
