@@ -24,7 +24,7 @@ def status(run_dir: str) -> dict:
 
 
 def report(run_dir: str, out_dir: str | None = None) -> str:
-    """Write the run's HTML report (and PNGs); return the page's path."""
+    """Write the run's HTML report (and its SVG charts); return the page's path."""
     from orchestrator.ops.report import write_report
 
     return write_report(run_dir, out_dir)["report.html"]

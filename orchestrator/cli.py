@@ -74,20 +74,17 @@ def _cmd_status(args) -> int:
 
 
 def _cmd_report(args) -> int:
-    from orchestrator.ops.report import ReportUnavailable, write_report
+    from orchestrator.ops.report import write_report
 
     try:
         paths = write_report(args.run_dir, args.out)
     except FileNotFoundError as exc:
         print(f"orchestrator: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    except ReportUnavailable as exc:
-        print(f"orchestrator: {exc}", file=sys.stderr)
-        return 1
     print(f"report: {paths['report.html']}")
     for name, path in paths.items():
         if name != "report.html":
-            print(f"image:  {path}")
+            print(f"chart:  {path}")
     return 0
 
 
@@ -131,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("run_dir")
     s.add_argument("--json", action="store_true", help="machine-readable output")
     s.set_defaults(func=_cmd_status)
-    rp = sub.add_parser("report", help="an HTML page with PNG charts of a run")
+    rp = sub.add_parser("report", help="an HTML page with charts of a run (SVG, self-contained)")
     rp.add_argument("run_dir")
     rp.add_argument("-o", "--out", help="output folder (default RUN_DIR/report)")
     rp.set_defaults(func=_cmd_report)

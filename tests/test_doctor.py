@@ -62,6 +62,76 @@ def test_find_accelerator_tpu_node_answers_or_not():
     assert (found.accelerator, found.state) == ("tpu_node", "unavailable")
 
 
+def _tpu_vm(tmp_path, monkeypatch, chips=("vfio/0",), dists=None, libtpu=True):
+    """A TPU VM made to order: its device files, the distributions installed, a libtpu.so."""
+    dev = tmp_path / "dev"
+    for chip in chips:
+        (dev / chip).parent.mkdir(parents=True, exist_ok=True)
+        (dev / chip).write_text("")
+    monkeypatch.setattr(probes, "TPU_DEVICE_GLOBS", (f"{dev}/accel*", f"{dev}/vfio/[0-9]*"))
+    monkeypatch.setattr(doctor, "installed_distributions", lambda names: dict(dists or {}))
+    env = {"PATH": "", "COLAB_RELEASE_TAG": "release"}
+    if libtpu:
+        lib = tmp_path / "site" / "libtpu" / "libtpu.so"
+        lib.parent.mkdir(parents=True)
+        lib.write_bytes(b"\x7fELF")
+        env["TPU_LIBRARY_PATH"] = str(lib)
+    return env
+
+
+def test_a_v5e_tpu_vm_without_tensorflow_gets_the_install_line(tmp_path, monkeypatch):
+    env = _tpu_vm(tmp_path, monkeypatch, libtpu=False)
+    # a stale legacy address must not hide the chips of the VM itself
+    env["COLAB_TPU_ADDR"] = "10.0.0.2:8470"
+    checks = doctor.check_runtime(str(tmp_path / "run"), env=env, run_probe=False)
+    levels = _levels(checks)
+    assert levels["accelerator"] == OK and "TPU VM: 1 device file(s)" in next(
+        c.detail for c in checks if c.name == "accelerator")
+    assert (levels["tensorflow"], levels["tensorflow-tpu"], levels["libtpu"]) == (FAIL,) * 3
+    line = ("pip install tensorflow-tpu -f "
+            "https://storage.googleapis.com/libtpu-tf-releases/index.html")
+    assert all(line in c.detail for c in checks if c.name in ("tensorflow", "tensorflow-tpu",
+                                                                "libtpu"))
+    # a job that will not use the TPU only hears about it
+    checks = doctor.check_runtime(str(tmp_path / "run"), "cpu", env=env, run_probe=False)
+    assert _levels(checks)["tensorflow-tpu"] == WARN
+
+
+def test_a_tpu_vm_with_tensorflow_tpu_and_libtpu(tmp_path, monkeypatch):
+    env = _tpu_vm(tmp_path, monkeypatch, chips=("accel0", "accel1", "accel2", "accel3"),
+                  dists={"tensorflow-tpu": "2.18.0", "libtpu": "2.18.0"})
+    checks = doctor.check_runtime(str(tmp_path / "run"), env=env, run_probe=False)
+    levels = _levels(checks)
+    assert (levels["tensorflow"], levels["tpu kernels"], levels["tensorflow-tpu"],
+            levels["libtpu"]) == (OK, OK, OK, OK)
+    assert "4 device file(s)" in next(c.detail for c in checks if c.name == "accelerator")
+    assert next(c.detail for c in checks if c.name == "libtpu").endswith(
+        "libtpu/libtpu.so (libtpu 2.18.0)")
+    # found through this Python's own packages when TPU_LIBRARY_PATH is unset
+    assert doctor.find_libtpu({}, [str(tmp_path / "nowhere"), str(tmp_path / "site")]) == str(
+        tmp_path / "site" / "libtpu" / "libtpu.so")
+    assert doctor.find_libtpu({"TPU_LIBRARY_PATH": str(tmp_path / "gone.so")}) is None
+
+
+def test_no_tpu_checks_off_a_tpu_vm(tmp_path, monkeypatch):
+    monkeypatch.setattr(probes, "TPU_DEVICE_GLOBS", ())
+    checks = doctor.check_runtime(str(tmp_path / "run"), env={"PATH": ""}, run_probe=False)
+    assert "tensorflow-tpu" not in _levels(checks) and "libtpu" not in _levels(checks)
+
+
+def test_tensorflow_then_tensorflow_tpu_over_it_is_a_warning_when_the_kernels_are_there():
+    # Colab's recipe: pip install tensorflow==2.18.0, then tensorflow-tpu==2.18.0 -f <index>
+    both = {"tensorflow": "2.18.0", "tensorflow-tpu": "2.18.0"}
+    won = doctor.check_tensorflow(both, {"version": "2.18.0", "tpu_kernels": True},
+                                  wants_tpu=True)
+    assert _levels(won) == {"tensorflow": WARN, "tensorflow import": OK, "tpu kernels": OK}
+    assert "TPU build's files won" in won[0].detail
+    lost = doctor.check_tensorflow(both, {"version": "2.18.0", "tpu_kernels": False},
+                                   wants_tpu=True)
+    assert lost[0].level == FAIL and lost[-1].level == FAIL
+    assert doctor.check_tensorflow(both, None, wants_tpu=True)[0].level == FAIL
+
+
 def _fake_nvidia_smi(tmp_path, code, text):
     d = tmp_path / "bin"
     d.mkdir(exist_ok=True)

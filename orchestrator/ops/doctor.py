@@ -3,8 +3,11 @@
 Checks, each ``ok``, ``warn`` or ``fail``: the TensorFlow distribution(s) installed (read with
 importlib.metadata, without importing TensorFlow here) and, in a probe subprocess, whether that
 TensorFlow imports and has TPU kernels (``ConfigureDistributedTPU``, the op a plain
-``tensorflow`` installed over ``tensorflow-tpu`` loses); the accelerator in sight (TPU node,
-TPU VM, GPU or none, with ``probes``, which never touch the chip) and whether it answers; the
+``tensorflow`` installed over ``tensorflow-tpu`` loses); the accelerator in sight (TPU VM, the
+legacy TPU node, GPU or none, with ``probes``, which never touch the chip) and whether it
+answers; on a TPU VM, the software it needs: today's Colab TPU runtimes (v5e-1, v2-8) are TPU VMs
+that ship no TensorFlow, so ``tensorflow-tpu`` and its ``libtpu`` must be installed from the
+libtpu index (``TPU_INSTALL``) and the check says so with the exact line; the
 run directory (on a mounted Drive? writable?), free disk and memory, and pip (for the
 reinstall action). Given a job, the job's own code too, in a probe process of its own
 (``python -m orchestrator.train.jobcheck``): its modules import, its factories resolve and take
@@ -34,6 +37,10 @@ TF_DISTRIBUTIONS = ("tensorflow", "tensorflow-cpu", "tensorflow-tpu", "tensorflo
                     "tensorflow-intel", "tensorflow-macos", "tf-nightly", "tf-nightly-cpu",
                     "tf-nightly-tpu")
 TPU_DISTRIBUTIONS = ("tensorflow-tpu", "tf-nightly-tpu", "libtpu", "libtpu-nightly")
+# Colab's TPU runtimes stopped shipping TensorFlow in March 2025; this is the line Colab gave
+# (googlecolab/colabtools#5164): libtpu's release index holds the libtpu that tensorflow-tpu pins.
+LIBTPU_INDEX = "https://storage.googleapis.com/libtpu-tf-releases/index.html"
+TPU_INSTALL = f"pip install tensorflow-tpu -f {LIBTPU_INDEX}"
 DRIVE_ROOT = "/content/drive"
 MIN_DISK_GB, LOW_DISK_GB, LOW_MEMORY_GB = 1.0, 5.0, 1.0
 PROBE_TIMEOUT_S = 300
@@ -132,11 +139,21 @@ def check_tensorflow(dists: dict, probe: dict | None, wants_tpu: bool) -> list[C
     tpu_static = any(k in TPU_DISTRIBUTIONS for k in dists)
     listed = ", ".join(f"{k} {v}" for k, v in sorted(tf.items()))
     if not tf:
+        how = (f"on this TPU runtime: {TPU_INSTALL} (never plain tensorflow)" if wants_tpu else
+               "install orchestrator[cpu] or [tensorflow]; on a TPU runtime "
+               f"{TPU_INSTALL}, never plain tensorflow")
         return [Check("tensorflow", FAIL, "no TensorFlow distribution is installed for "
-                      f"{sys.executable}: install orchestrator[cpu] or [tensorflow]; on a Colab "
-                      "TPU runtime the pinned tensorflow-tpu, never plain tensorflow")]
+                      f"{sys.executable}: {how}")]
     out = []
-    if len(tf) > 1:
+    tpu_won = (probe is not None and probe.get("tpu_kernels") is True
+               and any(k in TPU_DISTRIBUTIONS for k in tf))
+    if len(tf) > 1 and tpu_won:
+        # Colab's own recipe installs tensorflow, then tensorflow-tpu over it: it works while
+        # tensorflow-tpu's files are the ones on disk, which the probe just saw.
+        out.append(Check("tensorflow", WARN, f"several TensorFlow distributions are installed "
+                         f"({listed}); the TPU build's files won (TPU kernels present), but any "
+                         "later install of tensorflow puts files without TPU kernels back"))
+    elif len(tf) > 1:
         out.append(Check("tensorflow", FAIL, f"several TensorFlow distributions are installed "
                          f"({listed}); they share one `tensorflow` package and the last one "
                          "installed wins (how TPU kernels go missing): uninstall all but one"))
@@ -157,22 +174,60 @@ def check_tensorflow(dists: dict, probe: dict | None, wants_tpu: bool) -> list[C
               "no TPU kernels (no ConfigureDistributedTPU): fine off TPU") + f" ({how})"
     if level == FAIL:
         detail = ("no TPU kernels but a TPU is in sight and the job may use it: the run would "
-                  "fail with No OpKernel ... 'ConfigureDistributedTPU'; install the "
-                  "tensorflow-tpu that matches the runtime") + f" ({how})"
+                  "fail with No OpKernel ... 'ConfigureDistributedTPU'; uninstall tensorflow "
+                  f"and {TPU_INSTALL}") + f" ({how})"
     out.append(Check("tpu kernels", level, detail))
     return out
 
 
-def find_accelerator(env) -> probes.ProbeResult:
-    """What a worker would run on here: TPU node, TPU VM, GPU or CPU, probed from outside."""
+def find_accelerator(env, device_globs=None) -> probes.ProbeResult:
+    """What a worker would run on here: TPU VM, TPU node, GPU or CPU, probed from outside.
+
+    A TPU VM (its chips are local device files: ``/dev/accel*`` on v2/v3/v4, ``/dev/vfio/N`` on
+    v5e and later) comes first: it is what Colab's TPU runtimes are since 2024, and a stale
+    ``COLAB_TPU_ADDR`` must not hide it. A TPU node (gRPC at ``COLAB_TPU_ADDR`` or
+    ``TPU_NAME=grpc://...``) is the legacy runtime, still found where one is configured."""
+    globs = probes.TPU_DEVICE_GLOBS if device_globs is None else device_globs
+    if any(glob.glob(g) for g in globs):
+        return probes.probe_tpu_vm(globs)
     node = probes.tpu_node_address(env)
     if node:
         return probes.probe_tpu_node(*node)
-    if any(glob.glob(g) for g in probes.TPU_DEVICE_GLOBS):
-        return probes.probe_tpu_vm()
     if shutil.which("nvidia-smi", path=env.get("PATH")):
         return probes.probe_gpu(env)
     return probes.probe_cpu()
+
+
+def find_libtpu(env, search=None) -> str | None:
+    """The libtpu.so a TPU VM worker would load: ``TPU_LIBRARY_PATH``, else the ``libtpu``
+    package of this Python (tensorflow-tpu's dependency, from the libtpu index)."""
+    if env.get("TPU_LIBRARY_PATH"):
+        return env["TPU_LIBRARY_PATH"] if os.path.isfile(env["TPU_LIBRARY_PATH"]) else None
+    for d in sys.path if search is None else search:
+        for candidate in (os.path.join(d, "libtpu", "libtpu.so"), os.path.join(d, "libtpu.so")):
+            if d and os.path.isfile(candidate):
+                return candidate
+    return None
+
+
+def check_tpu_software(found: probes.ProbeResult, dists: dict, libtpu: str | None,
+                       wants_tpu: bool) -> list[Check]:
+    """On a TPU VM: tensorflow-tpu and libtpu installed? (Nothing to say elsewhere.)"""
+    if found.accelerator != "tpu_vm":
+        return []
+    bad = FAIL if wants_tpu else WARN
+    tpu_tf = {k: v for k, v in dists.items() if k in ("tensorflow-tpu", "tf-nightly-tpu")}
+    out = [Check("tensorflow-tpu", OK, ", ".join(f"{k} {v}" for k, v in tpu_tf.items()))
+           if tpu_tf else
+           Check("tensorflow-tpu", bad, "this TPU VM has no tensorflow-tpu (Colab's TPU runtimes "
+                 f"ship no TensorFlow; plain tensorflow has no TPU kernels): {TPU_INSTALL}")]
+    libs = {k: v for k, v in dists.items() if k in ("libtpu", "libtpu-nightly")}
+    version = ", ".join(f"{k} {v}" for k, v in libs.items())
+    out.append(Check("libtpu", OK, f"{libtpu}" + (f" ({version})" if version else ""))
+               if libtpu else
+               Check("libtpu", bad, "no libtpu.so for this Python (TPU_LIBRARY_PATH unset, no "
+                     f"libtpu package): TensorFlow cannot open the chips; {TPU_INSTALL}"))
+    return out
 
 
 def check_accelerator(found: probes.ProbeResult, strategy: str, probe: dict | None
@@ -280,6 +335,7 @@ def check_runtime(run_dir: str, strategy: str = "auto", env=None, run_probe: boo
     checks = [Check("python", OK, f"{sys.version.split()[0]} ({python})")]
     checks += check_tensorflow(dists, probe, wants_tpu)
     checks += check_accelerator(found, strategy, probe)
+    checks += check_tpu_software(found, dists, find_libtpu(env), wants_tpu)
     checks += check_run_dir(run_dir, env, drive_root, ismount)
     checks.append(check_memory())
     checks.append(check_pip(python))

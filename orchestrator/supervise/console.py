@@ -3,15 +3,18 @@
 The supervisor calls this module at each moment worth a line (attempt started, epoch committed,
 fault, restart, end). Each epoch line says the attempt, the restarts so far, the last
 checkpoint and the ETA. Where the output is a terminal or a notebook cell, a bar within the
-epoch is redrawn in place from the worker's ``heartbeat.json`` (watched with watchdog, not
-polled); elsewhere (a log file, a pipe) there is no bar, only whole lines. The worker's own
-output, TensorFlow's log noise included, goes to ``attempts/<n>.log`` and never here.
+epoch is drawn by tqdm (``tqdm.auto``: a widget in a notebook with ipywidgets, as on Colab, a
+text bar on a terminal) from the worker's ``heartbeat.json`` (watched with watchdog, not
+polled); elsewhere (a log file, a pipe) no bar is ever made, only whole lines, because log files
+and the tests that read them rely on one line per epoch. The worker's own output, TensorFlow's
+log noise included, goes to ``attempts/<n>.log`` and never here.
 """
 from __future__ import annotations
 
 import os
 import threading
 import time
+import warnings
 
 from watchdog.events import FileSystemEventHandler
 from watchdog.observers import Observer
@@ -22,8 +25,7 @@ from orchestrator.core.formatting import fmt_duration, fmt_metrics
 from orchestrator.core.events import Event
 
 PREFIX = "[orchestrator]"
-BAR_WIDTH = 24
-REDRAW_S = 0.2
+REDRAW_S = 0.2   # read the heartbeat at most this often (it may change every batch)
 _RED, _BOLD, _RESET = "\x1b[31m", "\x1b[1m", "\x1b[0m"
 
 
@@ -63,9 +65,9 @@ class Progress:
         self.checkpoint = None     # (epoch, step) of the last committed checkpoint
         self._commits: list[tuple[float, int, int]] = []  # (time, epoch, attempt)
         self._steps_per_epoch: dict[int, int] = {}
-        self._bar_shown = False
+        self._bar = None           # the tqdm bar of the epoch in progress, if any
+        self._bar_key: tuple[int, int] | None = None     # (attempt, epoch) it shows
         self._last_draw = 0.0
-        self._batch_rate: tuple[float, int] | None = None  # (time, batch) at epoch start
         self._lock = threading.Lock()
         self._observer = None
 
@@ -86,7 +88,7 @@ class Progress:
             self._observer.join(timeout=5)
             self._observer = None
         with self._lock:
-            self._clear_bar()
+            self._close_bar()
 
     # ------------------------------------------------------------------ moments
     def say(self, msg: str) -> None:
@@ -99,7 +101,6 @@ class Progress:
 
     def attempt_started(self, n: int, from_epoch: int) -> None:
         self.attempt = n
-        self._batch_rate = None
         # no "of N": preemptions and errors have budgets of their own, on the fault line
         self.say(f"attempt {n} started at epoch {from_epoch}/{self.epochs}"
                  + (f" (restart {self.restarts})" if self.restarts else ""))
@@ -133,6 +134,8 @@ class Progress:
 
     # ------------------------------------------------------------------ the bar
     def _on_heartbeat(self) -> None:
+        if not self.interactive:
+            return  # a log file gets whole lines only
         hb = heartbeat.read(self.run_dir)
         if not hb or hb.get("attempt") != self.attempt or not hb.get("batch"):
             return  # batch 0: between epochs, the epoch line says it all
@@ -140,14 +143,20 @@ class Progress:
         if now - self._last_draw < REDRAW_S:
             return
         spe = self._steps_per_epoch.get(self.attempt) or self._read_steps_per_epoch()
-        epoch, batch = int(hb.get("epoch", 0)), int(hb["batch"])
-        if self._batch_rate is None or batch < self._batch_rate[1]:
-            self._batch_rate = (now, batch)
-        t0, b0 = self._batch_rate
-        rate = (batch - b0) / (now - t0) if now > t0 and batch > b0 else None
+        key, batch = (self.attempt, int(hb.get("epoch", 0)) + 1), int(hb["batch"])
         with self._lock:
             self._last_draw = now
-            self._draw(render_bar(epoch + 1, self.epochs, batch, spe, rate))
+            if self._bar is not None and (self._bar_key != key or batch < self._bar.n):
+                self._close_bar()
+            if self._bar is None:
+                # ``initial``: a resumed epoch starts mid-way; tqdm's rate and ETA count
+                # only the batches seen here
+                self._bar = _tqdm()(total=spe, initial=batch, file=self.out, leave=False,
+                                    desc=f"{PREFIX} epoch {key[1]}/{self.epochs}",
+                                    unit="batch", mininterval=REDRAW_S)
+                self._bar_key = key
+            else:
+                self._bar.update(batch - self._bar.n)
 
     def _read_steps_per_epoch(self) -> int | None:
         for e in Journal(os.path.join(self.run_dir, "events.jsonl")).iter(Event.WORKER_READY):
@@ -155,33 +164,23 @@ class Progress:
                 self._steps_per_epoch[self.attempt] = int(e["steps_per_epoch"])
         return self._steps_per_epoch.get(self.attempt)
 
-    def _draw(self, bar: str) -> None:
-        self.out.write("\r" + bar + " " * 4)
-        self.out.flush()
-        self._bar_shown = True
-
-    def _clear_bar(self) -> None:
-        if self._bar_shown:
-            self.out.write("\r" + " " * (BAR_WIDTH + 80) + "\r")
-            self._bar_shown = False
+    def _close_bar(self) -> None:
+        """Wipe the bar (``leave=False``), so that a line never continues it."""
+        if self._bar is not None:
+            self._bar.close()
+            self._bar, self._bar_key = None, None
 
     def _line(self, text: str) -> None:
         with self._lock:
-            self._clear_bar()
+            self._close_bar()
             print(text, file=self.out, flush=True)
 
 
-def render_bar(epoch: int, epochs: int, batch: int, steps_per_epoch: int | None,
-               rate: float | None) -> str:
-    """``epoch 3/10 [#########.........] 120/300 12.0 batch/s, epoch ETA 15s``"""
-    if steps_per_epoch:
-        filled = min(BAR_WIDTH, int(BAR_WIDTH * batch / steps_per_epoch))
-        bar = f"[{'#' * filled}{'.' * (BAR_WIDTH - filled)}] {batch}/{steps_per_epoch}"
-    else:
-        bar = f"batch {batch}"
-    text = f"{PREFIX} epoch {epoch}/{epochs} {bar}"
-    if rate:
-        text += f" {rate:.1f} batch/s"
-        if steps_per_epoch and batch < steps_per_epoch:
-            text += f", epoch ETA {fmt_duration((steps_per_epoch - batch) / rate)}"
-    return text
+def _tqdm():
+    """``tqdm.auto.tqdm``, imported on first use. Without ipywidgets in a notebook it falls
+    back to the text bar (which a notebook renders) and warns once; that warning would be
+    the only noise in the cell, so it is silenced."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from tqdm.auto import tqdm
+    return tqdm
