@@ -16,16 +16,18 @@ class AcceleratorUnavailable(RuntimeError):
 def tpu_address() -> str | None:
     """What TPUClusterResolver should be given on this runtime, or None if no TPU is in sight.
 
-    Old Colab TPU runtimes expose a TPU node at ``COLAB_TPU_ADDR`` (gRPC); TPU VMs have the
-    chips locally (``/dev/accel*`` or ``/dev/vfio``) and take ``tpu='local'``.
+    TPU VMs (Colab's TPU runtimes today) have the chips locally (``/dev/accel*`` or
+    ``/dev/vfio``) and take ``tpu='local'``; old Colab TPU runtimes exposed a TPU node at
+    ``COLAB_TPU_ADDR`` (gRPC). Local chips come first: a stale address left in the environment
+    must not send a TPU VM's worker to a gRPC node (doctor checks in the same order).
     """
     if os.environ.get("TPU_NAME"):
         return os.environ["TPU_NAME"]
+    if glob.glob("/dev/accel*") or os.path.isdir("/dev/vfio") and os.listdir("/dev/vfio"):
+        return "local"
     addr = os.environ.get("COLAB_TPU_ADDR")
     if addr:
         return addr if addr.startswith("grpc://") else f"grpc://{addr}"
-    if glob.glob("/dev/accel*") or os.path.isdir("/dev/vfio") and os.listdir("/dev/vfio"):
-        return "local"
     return None
 
 
