@@ -87,3 +87,17 @@ def test_wait_until_ok_backs_off_exponentially_and_stops_at_the_timeout():
     r, waited, count = probes.wait_until_ok(lambda: probes.ProbeResult("gpu", "unavailable", "x"),
                                             initial=0.05, maximum=0.1, timeout=0.5)
     assert not r.ok and count >= 3 and 0.5 <= waited < 3 and time.monotonic() - t0 < 3
+
+
+def test_a_tpu_vm_s_local_chips_win_over_a_stale_tpu_node_address(monkeypatch):
+    """Colab's TPU runtimes are TPU VMs now: an old COLAB_TPU_ADDR left in the environment must
+    not send the worker to a gRPC node (doctor checks in the same order)."""
+    from orchestrator.train import accelerators
+
+    monkeypatch.delenv("TPU_NAME", raising=False)
+    monkeypatch.setenv("COLAB_TPU_ADDR", "10.0.0.2:8470")
+    monkeypatch.setattr(accelerators.glob, "glob", lambda pattern: ["/dev/accel0"])
+    assert accelerators.tpu_address() == "local"
+    monkeypatch.setattr(accelerators.glob, "glob", lambda pattern: [])
+    monkeypatch.setattr(accelerators.os.path, "isdir", lambda p: False)
+    assert accelerators.tpu_address() == "grpc://10.0.0.2:8470"
