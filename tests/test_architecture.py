@@ -60,3 +60,19 @@ def test_every_journal_event_is_named_from_the_one_vocabulary():
                         and node.args[0].value in ALL):
                     literal.append(f"{os.path.relpath(path, ROOT)}:{node.lineno}")
     assert not literal, literal
+
+
+def test_no_file_holds_merge_conflict_markers():
+    """A merge committed with its conflict markers once left ARCHITECTURE.md half-written."""
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    bad = []
+    for path in root.rglob("*"):
+        if path.suffix not in (".py", ".md", ".toml", ".yaml", ".yml", ".sh") or any(
+                part.startswith(".") or part.endswith(".egg-info") for part in path.parts):
+            continue
+        for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            if line.startswith(("<<<<<<< ", ">>>>>>> ")):
+                bad.append(f"{path.relative_to(root)}:{n}")
+    assert not bad, bad
