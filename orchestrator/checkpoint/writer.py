@@ -100,6 +100,12 @@ class CheckpointWriter:
         self.check()
         return waited
 
+    def prepare(self, work: Callable[[], object]) -> None:
+        """Run ``work`` (a warm-up: tracing the snapshot reader) in the writer's thread, ahead of
+        the first checkpoint; in line mode, nothing (the first checkpoint pays for it)."""
+        if self._pool is not None:
+            self._pool.submit(work)
+
     def submit(self, step: int, work: Callable[[], object], stall_ms: float,
                **facts) -> None:
         """Write the checkpoint of ``step``: ``work()`` does it all (fingerprints, payload,

@@ -276,6 +276,9 @@ class CheckpointCallback(keras.callbacks.Callback):
         super().set_model(model)
         self._snapshot = state.Snapshot(model)
 
+    def on_train_begin(self, logs=None):
+        self.writer.prepare(self._snapshot.warm)
+
     def _due(self) -> bool:
         every, secs = self.ckpt.every_steps, self.ckpt.every_seconds
         return bool((every and self.progress.step % every == 0)

@@ -15,6 +15,7 @@ epoch, and callbacks may add arrays of their own (under keys ``callbacks.*``).
 from __future__ import annotations
 
 import os
+import threading
 
 import numpy as np
 
@@ -106,6 +107,7 @@ class Snapshot:
 
     def __init__(self, model):
         self.model = model
+        self._lock = threading.Lock()  # warm() may run in the writer's thread
         self._ids: tuple = ()
         self.keys: list[str] = []
         self.weight_keys: list[str] = []
@@ -126,13 +128,22 @@ class Snapshot:
         self._read = _compiled_reader(variables)
         return variables
 
+    def warm(self) -> None:
+        """Trace the compiled reader now (about 60 ms for ResNet-20), not in the first
+        checkpoint's stall; the worker runs this in the writer's thread as training begins."""
+        with self._lock:
+            self._layout()
+            if self._read is not None:
+                self._read()  # traced and run once; the values are thrown away
+
     def take(self) -> dict[str, np.ndarray]:
-        variables = self._layout()
-        if self._read is not None:
-            values = [t.numpy() for t in self._read()]
-        else:
-            values = [v.numpy() for v in variables]
-        return {k: np.array(a, copy=True) for k, a in zip(self.keys, values)}
+        with self._lock:
+            variables = self._layout()
+            if self._read is not None:
+                values = [t.numpy() for t in self._read()]
+            else:
+                values = [v.numpy() for v in variables]
+            return {k: np.array(a, copy=True) for k, a in zip(self.keys, values)}
 
     def fingerprints(self, arrays: dict[str, np.ndarray]) -> tuple[str, str]:
         """(weights sha256, state sha256) of a snapshot, equal to ``fingerprint(model)`` and
