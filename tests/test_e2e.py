@@ -169,8 +169,11 @@ def test_killed_runs_end_bit_identical_to_an_uninterrupted_one(digits_job, tmp_p
         print(f"  attempt {attempt}: {where} at step ~{hb['step']} (epoch {hb['epoch']}, "
               f"batch {hb['batch']}); resumed at step {resumed}: "
               f"~{max(0, hb['step'] - resumed)} redone")
-        # a resume starts at the newest checkpoint: at most one checkpoint interval back
-        assert hb["step"] - resumed <= EVERY_STEPS, (where, hb, resumed)
+        # a resume starts at the newest checkpoint: at most one checkpoint interval back, two
+        # when the background writer skipped a periodic one (never two in a row)
+        skips = [e for e in events if e["event"] == "checkpoint_skipped_busy"
+                 and e["attempt"] == attempt]
+        assert hb["step"] - resumed <= EVERY_STEPS * (2 if skips else 1), (where, hb, resumed)
     assert any(r["resumed_from_batch"] > 0 for r in ready.values())  # mid-epoch resumes
     assert not [e for e in events if e["event"] == "resume_not_exact"]
 
