@@ -333,8 +333,12 @@ def _writer_markdown(s: dict, results: dict) -> list[str]:
             ratios = (o.get("train_ratios_vs_backup") or {}).get(arm)
             if ratios is None and arm == "orchestrator":
                 ratio = fmt_ratio(o["train_ratio_vs_backup"])
+            elif not ratios:
+                ratio = "-"
             else:
-                ratio = fmt_median(ratios or [], 3)
+                ratio = fmt_ratio(median(ratios)) + (
+                    f" ({min(ratios):.3f}-{max(ratios):.3f}x, n={len(ratios)})"
+                    if len(ratios) > 1 else "")
             lo, hi = st["spread"]
             rows.append([job, label, f"{st['median']:.1f} ({lo:.1f}-{hi:.1f}, n={st['n']})",
                          ", ".join(f"{x:.1f}" for x in st["all"]), fmt_s(st["write_median"], 1),

@@ -274,7 +274,7 @@ class CheckpointCallback(keras.callbacks.Callback):
 
     def set_model(self, model):
         super().set_model(model)
-        self._snapshot = state.Snapshot(model)
+        self._snapshot = state.Snapshot(model, compiled=self.writer.background)
 
     def on_train_begin(self, logs=None):
         self.writer.prepare(self._snapshot.warm)

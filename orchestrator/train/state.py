@@ -103,10 +103,11 @@ class Snapshot:
     views of TensorFlow's buffers, which the next step may update in place.
 
     The layout (keys, description, which keys are the weights) is recomputed only when the set
-    of variables changes (an optimizer built late)."""
+    of variables changes (an optimizer built late). ``compiled=False`` (checkpoints written in
+    line) reads one by one, as before the background writer: no tracing in the first stall."""
 
-    def __init__(self, model):
-        self.model = model
+    def __init__(self, model, compiled: bool = True):
+        self.model, self.compiled = model, compiled
         self._lock = threading.Lock()  # warm() may run in the writer's thread
         self._ids: tuple = ()
         self.keys: list[str] = []
@@ -125,7 +126,7 @@ class Snapshot:
         by_id = dict(zip(ids, self.keys))
         self.weight_keys = [by_id[id(w)] for w in self.model.weights]
         self.description = describe(self.model)
-        self._read = _compiled_reader(variables)
+        self._read = _compiled_reader(variables) if self.compiled else None
         return variables
 
     def warm(self) -> None:
