@@ -118,11 +118,13 @@ def test_killed_runs_end_bit_identical_to_an_uninterrupted_one(digits_job, tmp_p
     os.kill(pid, signal.SIGKILL)
     kills.append((1, "mid-epoch", hb))
 
-    # 2. between epochs: the epoch has ended, its checkpoint is not written yet
+    # 2. between epochs: the epoch has ended, its checkpoint is being written (in the
+    # background: the next epoch may have begun; the epoch_end beat lasts only the ~2 ms of the
+    # snapshot, so its first batches count too)
     pid = _wait_for(journal, "attempt_started", 2)["pid"]
     ready = _wait_for(journal, "worker_ready", 2)
-    hb = _wait_heartbeat(run, 2, lambda h: h.get("phase") == "epoch_end"
-                         and h["epoch"] > ready["resumed_from_epoch"])
+    hb = _wait_heartbeat(run, 2, lambda h: h["epoch"] > ready["resumed_from_epoch"] and (
+        h.get("phase") == "epoch_end" or h.get("batch", EVERY_STEPS) < EVERY_STEPS))
     os.kill(pid, signal.SIGKILL)
     kills.append((2, "between epochs", hb))
 
@@ -216,12 +218,12 @@ def test_checkpoint_moves_between_8_replicas_and_1(tmp_path):
     journal = Journal(str(run / "events.jsonl"))
     eight = dict(os.environ, **{CPU_DEVICES_ENV: "8"})
 
-    # 8 replicas (global batch 32): stopped in the middle of epoch 2
+    # 8 replicas (global batch 32): stopped in the middle of an epoch (the first mid-epoch
+    # checkpoint, well before epoch 2 ends: training does not wait for checkpoint writes)
     job.write_text(REPLICA_JOB.replace("EPOCHS", "4"))
     sup = _start(str(job), run, env=eight)
     _wait_for(journal, "worker_ready", 1)
-    _wait_for(journal, "checkpoint_committed", None, where=lambda e: e["epoch"] == 1
-              and e["batch"] > 0)
+    _wait_for(journal, "checkpoint_committed", None, where=lambda e: e["batch"] > 0)
     sup.send_signal(signal.SIGTERM)
     out, _ = sup.communicate(timeout=120)
     assert sup.returncode == 130, out
@@ -245,7 +247,7 @@ def test_checkpoint_moves_between_8_replicas_and_1(tmp_path):
         assert r["restored_state_sha256"] == committed[r["resumed_from_step"]]["state_sha256"]
     # the mid-epoch position is carried over in examples: batch b of 32 is batch 8b of 4
     mid = committed[ready[1]["resumed_from_step"]]
-    assert mid["epoch"] == ready[1]["resumed_from_epoch"] == 1 and mid["batch"] > 0
+    assert mid["epoch"] == ready[1]["resumed_from_epoch"] < 2 and mid["batch"] > 0
     assert ready[1]["resumed_from_batch"] == mid["batch"] * 8
     # and the journal says why these resumes are not bit-exact
     not_exact = [e for e in events if e["event"] == "resume_not_exact"]
