@@ -7,13 +7,12 @@ from the writer's thread), and the run goes on.
 """
 import json
 import os
-import shutil
 
 import pytest
 
 from conftest import ROOT
 from orchestrator.core.journal import Journal
-from test_e2e import DIGITS_JOB, EVERY_STEPS, SCHEDULE_FN, _completed, _start
+from test_e2e import DIGITS_JOB, EVERY_STEPS, _completed, _start, write_job_files
 
 pytestmark = pytest.mark.e2e
 
@@ -32,8 +31,7 @@ def reference(tmp_path_factory):
 
 
 def _job(where):
-    shutil.copy(os.path.join(ROOT, "jobs", "digits", "digits_job.py"), where)
-    (where / "schedule_fn.py").write_text(SCHEDULE_FN)
+    write_job_files(where)
     (where / "job.yaml").write_text(DIGITS_JOB)
     return str(where / "job.yaml")
 
