@@ -217,6 +217,7 @@ epochs: EPOCHS
 batch_size: 4
 strategy: cpu
 seed: 3
+heartbeat_interval: 0.05
 checkpoint: {every_epochs: 1, every_steps: 10, keep: 2}
 restarts: {max: 2, backoff: {initial: 0.2, max: 1}}
 """
@@ -236,6 +237,9 @@ def test_checkpoint_moves_between_8_replicas_and_1(tmp_path):
     # early in epoch 2 (training no longer waits for checkpoint writes: a stop aimed at a
     # later moment may land at the epoch's end)
     _wait_heartbeat(run, 1, lambda h: h.get("epoch") == 1 and h.get("batch", 0) >= 1)
+    # the preemption notice goes to the worker at once, not through the supervisor's own
+    # signal handling, which may take longer than the few steps of 20 ms left in the epoch
+    os.kill(_wait_for(journal, "attempt_started", 1)["pid"], signal.SIGTERM)
     sup.send_signal(signal.SIGTERM)
     out, _ = sup.communicate(timeout=120)
     assert sup.returncode == 130, out
