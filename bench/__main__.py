@@ -18,6 +18,10 @@ from . import arms, report
 from .stats import interleaved
 
 ARMS = ("orchestrator", "keras_fit_backup", "keras_fit")
+# The checkpoint writer side by side: background (the default) and in line
+# (``checkpoint.background: false``), on the job the stall target is about (ResNet-20).
+SYNC_ARM, SYNC_JOBS = "orchestrator_sync", ("synthetic",)
+PARTS = ("overhead", "goodput", "recovery", "standby")
 
 
 @dataclass(frozen=True)
@@ -85,6 +89,10 @@ def prepare_jobs(cfg: Config, work: str, faults: bool) -> dict[str, str]:
                  "epochs": cfg.standby_synth_epochs, "deterministic": True, "standby": mode,
                  "data": {"args": {"synthetic": True,
                                    "synthetic_examples": cfg.synth_examples}}})
+    for name in SYNC_JOBS:
+        jobs[f"{name}_sync"] = arms.prepare_job(jobs[name], os.path.join(work, "jobs",
+                                                                        f"{name}_sync"),
+                                                {"checkpoint": {"background": False}})
     if faults:  # only this job: a slow first step (tracing) must not pass for a hang elsewhere
         jobs["digits_hang"] = arms.prepare_job(
             digits_src, os.path.join(work, "jobs", "digits_hang"),
@@ -94,7 +102,7 @@ def prepare_jobs(cfg: Config, work: str, faults: bool) -> dict[str, str]:
 
 
 def run_arm(arm: str, job: str, where: str, **kw) -> dict:
-    if arm == "orchestrator":
+    if arm in ("orchestrator", SYNC_ARM):
         return arms.run_orchestrator(job, where, **kw)
     return arms.run_keras(job, where, backup=arm != "keras_fit", **kw)
 
@@ -102,8 +110,10 @@ def run_arm(arm: str, job: str, where: str, **kw) -> dict:
 def overhead(jobs: dict, cfg: Config, work: str) -> dict:
     out = {}
     for name in ("digits", "synthetic"):
-        job, runs = jobs[name], {a: [] for a in ARMS}
-        for rep, arm in interleaved(ARMS, cfg.reps):
+        arms_here = ARMS[:1] + ((SYNC_ARM,) if name in SYNC_JOBS else ()) + ARMS[1:]
+        runs = {a: [] for a in arms_here}
+        for rep, arm in interleaved(arms_here, cfg.reps):
+            job = jobs[f"{name}_sync"] if arm == SYNC_ARM else jobs[name]
             r = run_arm(arm, job, os.path.join(work, "overhead", name, f"{arm}-{rep}"))
             runs[arm].append(r)
             say(f"overhead {name} rep {rep + 1}/{cfg.reps} {arm}: rc {r['rc']}, "
@@ -181,7 +191,11 @@ def main(argv=None) -> int:
                    help="do not update BENCHMARKS.md (a full run updates it by default)")
     p.add_argument("--standby-only", action="store_true",
                    help="only the standby on/off recovery comparison (prints its summary)")
+    p.add_argument("--only", choices=PARTS, action="append",
+                   help="run only this part (repeatable); the others are left out of the "
+                        "results, and BENCHMARKS.md is not updated")
     args = p.parse_args(argv)
+    parts = args.only or PARTS
     cfg = QUICK if args.quick else FULL
     work = args.work or tempfile.mkdtemp(prefix="orchestrator-bench-")
     faults = faults_available()
@@ -192,7 +206,8 @@ def main(argv=None) -> int:
     results = {"config": asdict(cfg), "machine": report.machine(), "work_dir": work,
                "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t0)),
                "faults_injection": faults, "jobs": {k: report.read_job(p) for k, p in jobs.items()}}
-    stem = "quick" if args.quick else "results"
+    stem = ("quick" if args.quick else "results") + ("-" + "-".join(args.only) if args.only
+                                                     else "")
     json_path = os.path.join(args.out, f"{stem}.json")
 
     def save():
@@ -204,12 +219,12 @@ def main(argv=None) -> int:
         results["standby"] = standby(jobs, cfg, work)
         print(json.dumps(report.standby_summary(results), indent=1))
         return 0
-    results["overhead"] = overhead(jobs, cfg, work)
+    results["overhead"] = overhead(jobs, cfg, work) if "overhead" in parts else {}
     save()
-    results["goodput"] = goodput(jobs, cfg, work)
+    results["goodput"] = goodput(jobs, cfg, work) if "goodput" in parts else {}
     save()
-    results["recovery"] = recovery(jobs, cfg, work, faults)
-    results["standby"] = standby(jobs, cfg, work)
+    results["recovery"] = recovery(jobs, cfg, work, faults) if "recovery" in parts else {}
+    results["standby"] = standby(jobs, cfg, work) if "standby" in parts else {}
     results["machine"]["load_after"] = report.machine()["load"]
     save()
     summary = report.summarise(results)
@@ -218,7 +233,7 @@ def main(argv=None) -> int:
     md = report.markdown(results)
     with open(os.path.join(args.out, f"{stem}.md"), "w", encoding="utf-8") as f:
         f.write(md)
-    if not args.quick and not args.no_benchmarks_md:
+    if not args.quick and not args.no_benchmarks_md and not args.only:
         report.update_benchmarks(os.path.join(arms.ROOT, "BENCHMARKS.md"), md)
     say(f"done in {results['duration_s']:.0f} s: {json_path}")
     print(md)

@@ -216,6 +216,7 @@ def run_orchestrator(job: str, run_dir: str, plan: KillPlan | None = None,
                       "signal": e.get("signal"), "error": e.get("error"),
                       "kind": e.get("kind")} for e in ended if e.get("exit_code") != 0],
         "kills": watch.kills,
+        "checkpoints": breakdown.checkpoint_writes(events),
         "recoveries": [dict(breakdown.orchestrator_recovery(events, n, t), attempt=n)
                        for n, t in sorted(deaths.items())],
     }

@@ -185,3 +185,16 @@ def median_phases(samples: list[dict]) -> dict[str, float | None]:
     from .stats import median
 
     return {k: median(s.get(k) for s in samples) for k in (*POINTS, "total")}
+
+
+def checkpoint_writes(events: list[dict]) -> dict:
+    """The worker's checkpoint writes: each one's training-thread stall and write time (ms),
+    and the writer's decisions when one fell due while the previous was still writing."""
+    written = [e for e in events if e["event"] == "checkpoint_written"]
+    return {
+        "writer": sorted({e.get("writer") for e in written if e.get("writer")}),
+        "stall_ms": [e["stall_ms"] for e in written],
+        "write_ms": [e.get("write_ms") for e in written],
+        "skipped_busy": sum(e["event"] == "checkpoint_skipped_busy" for e in events),
+        "waited_ms": [e["wait_ms"] for e in events if e["event"] == "checkpoint_waited"],
+    }

@@ -107,7 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="inject a fault (repeatable), fired once per run: kill@step=N, "
                         "hang@step=N, raise=KIND@step=N, exit=CODE@step=N, "
                         "corrupt-checkpoint@epoch=N, storage-down@step=N,for=SECONDS, "
-                        "kill@checkpoint=N, kill@export=1")
+                        "kill@checkpoint=N, delay-checkpoint@checkpoint=N,for=SECONDS, "
+                        "disk-full@checkpoint=N, kill@export=1")
     r.add_argument("--force", action="store_true",
                    help="resume even though the model, data or optimizer changed")
     r.add_argument("--workers", type=int, metavar="N",

@@ -180,3 +180,41 @@ def test_standby_summary_sets_each_recovery_against_its_own_run_s_cold_start():
     assert s["digits/auto"]["ratio_vs_cold_start"] == 0.04
     assert s["digits/auto"]["standby_rss_mb"] == 655.0
     assert s["digits/off"]["ratio_vs_cold_start"] == 1.5 and s["digits/off"]["standby_rss_mb"] is None
+
+
+def test_checkpoint_stall_figures_and_the_in_line_arm_side_by_side():
+    with open(os.path.join(FIXTURES, "results.json")) as f:
+        results = json.load(f)
+    synth = results["overhead"]["synthetic"]
+    base = synth["orchestrator"][0]
+    synth["orchestrator"] = [dict(base, train_s=10.0, checkpoints={
+        "writer": ["background"], "stall_ms": [1.5, 2.5, 30.0], "write_ms": [40.0, 50.0, 60.0],
+        "skipped_busy": 1, "waited_ms": [12.0]})]
+    synth["orchestrator_sync"] = [dict(base, train_s=12.5, checkpoints={
+        "writer": ["inline"], "stall_ms": [45.0, 55.0], "write_ms": [44.0, 54.0],
+        "skipped_busy": 0, "waited_ms": []})]
+    synth["keras_fit_backup"] = [dict(synth["keras_fit_backup"][0], train_s=10.0)]
+    s = report.summarise(results)
+    o = s["overhead"]["synthetic"]
+    assert o["stall_ms"]["orchestrator"]["median"] == 2.5
+    assert o["stall_ms"]["orchestrator"]["spread"] == (1.5, 30.0)
+    assert o["stall_ms"]["orchestrator_sync"]["median"] == 50.0
+    assert o["train_ratio_vs_sync"] == pytest.approx(0.8)
+    assert o["sync_train_ratio_vs_backup"] == pytest.approx(1.25)
+    results["summary"] = s
+    md = report.markdown(results)
+    assert "### 1b. Checkpoints off the training thread" in md
+    row = next(line for line in md.splitlines() if line.startswith("| synthetic | background"))
+    assert "2.5 (1.5-30.0, n=3)" in row and "1.5, 2.5, 30.0" in row and "1 / 1" in row
+    assert "| synthetic | in line | 50.0 (45.0-55.0, n=2)" in md
+    assert "background / in line (paired): 0.800x" in md
+
+
+def test_a_partial_run_summarises_the_parts_it_ran():
+    with open(os.path.join(FIXTURES, "results.json")) as f:
+        results = json.load(f)
+    results["goodput"], results["recovery"] = {}, {}
+    s = report.summarise(results)
+    assert s["goodput"] == {} and s["recovery"] == {}
+    results["summary"] = s
+    assert "### 3. Goodput" not in report.markdown(results)

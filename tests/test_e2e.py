@@ -43,11 +43,15 @@ EVERY_STEPS = 10
 # A relative rule: applying it twice to one epoch (a resumed one) would change the result.
 SCHEDULE_FN = "def decay(epoch, lr):\n    return lr * 0.7 if epoch else lr\n"
 
+def write_job_files(where):
+    """The digits job's modules beside a job file written in ``where``."""
+    shutil.copy(os.path.join(ROOT, "jobs", "digits", "digits_job.py"), where)
+    (where / "schedule_fn.py").write_text(SCHEDULE_FN)
+
 
 @pytest.fixture
 def digits_job(tmp_path):
-    shutil.copy(os.path.join(ROOT, "jobs", "digits", "digits_job.py"), tmp_path)
-    (tmp_path / "schedule_fn.py").write_text(SCHEDULE_FN)
+    write_job_files(tmp_path)
     p = tmp_path / "job.yaml"
     p.write_text(DIGITS_JOB)
     return str(p)
@@ -69,10 +73,19 @@ def _wait_for(journal, event, attempt, timeout=120, where=lambda e: True):
     raise AssertionError(f"no {event} for attempt {attempt} within {timeout} s")
 
 
+def _control_dir(run, attempt):
+    """Where the worker writes its heartbeat: the local control folder (the run directory's
+    copy is synced every 0.5 s, too late to see an epoch end that lasts milliseconds)."""
+    started = _wait_for(Journal(str(run / "events.jsonl")), "attempt_started", attempt)
+    log = started.get("log")
+    return os.path.dirname(os.path.dirname(log)) if log else str(run)
+
+
 def _wait_heartbeat(run, attempt, until, timeout=120):
     deadline = time.time() + timeout
+    where = _control_dir(run, attempt)
     while time.time() < deadline:
-        hb = heartbeat.read(str(run))
+        hb = heartbeat.read(where)
         if hb and hb.get("attempt") == attempt and until(hb):
             return hb
         time.sleep(0.002)
@@ -170,8 +183,11 @@ def test_killed_runs_end_bit_identical_to_an_uninterrupted_one(digits_job, tmp_p
         print(f"  attempt {attempt}: {where} at step ~{hb['step']} (epoch {hb['epoch']}, "
               f"batch {hb['batch']}); resumed at step {resumed}: "
               f"~{max(0, hb['step'] - resumed)} redone")
-        # a resume starts at the newest checkpoint: at most one checkpoint interval back
-        assert hb["step"] - resumed <= EVERY_STEPS, (where, hb, resumed)
+        # a resume starts at the newest checkpoint: at most one checkpoint interval back, two
+        # when the background writer skipped a periodic one (never two in a row)
+        skips = [e for e in events if e["event"] == "checkpoint_skipped_busy"
+                 and e["attempt"] == attempt]
+        assert hb["step"] - resumed <= EVERY_STEPS * (2 if skips else 1), (where, hb, resumed)
     assert any(r["resumed_from_batch"] > 0 for r in ready.values())  # mid-epoch resumes
     assert not [e for e in events if e["event"] == "resume_not_exact"]
 
@@ -202,13 +218,14 @@ epochs: EPOCHS
 batch_size: 4
 strategy: cpu
 seed: 3
+heartbeat_interval: 0.05
 checkpoint: {every_epochs: 1, every_steps: 10, keep: 2}
 restarts: {max: 2, backoff: {initial: 0.2, max: 1}}
 """
 
 
 def test_checkpoint_moves_between_8_replicas_and_1(tmp_path):
-    shutil.copy(os.path.join(ROOT, "jobs", "digits", "digits_job.py"), tmp_path)
+    write_job_files(tmp_path)
     job = tmp_path / "job.yaml"
     run = tmp_path / "run"
     eight = dict(os.environ, **{CPU_DEVICES_ENV: "8"})
@@ -218,8 +235,12 @@ def test_checkpoint_moves_between_8_replicas_and_1(tmp_path):
     journal = Journal(live(job, run).journal)
     sup = _start(str(job), run, env=eight)
     _wait_for(journal, "worker_ready", 1)
-    _wait_for(journal, "checkpoint_committed", None, where=lambda e: e["epoch"] == 1
-              and e["batch"] > 0)
+    # early in epoch 2 (training no longer waits for checkpoint writes: a stop aimed at a
+    # later moment may land at the epoch's end)
+    _wait_heartbeat(run, 1, lambda h: h.get("epoch") == 1 and h.get("batch", 0) >= 1)
+    # the preemption notice goes to the worker at once, not through the supervisor's own
+    # signal handling, which may take longer than the few steps of 20 ms left in the epoch
+    os.kill(_wait_for(journal, "attempt_started", 1)["pid"], signal.SIGTERM)
     sup.send_signal(signal.SIGTERM)
     out, _ = sup.communicate(timeout=120)
     assert sup.returncode == 130, out

@@ -22,6 +22,8 @@ from orchestrator.core.journal import Journal
     ("storage-down@step=4,for=2.5", "storage-down", None, "step", 4, 2.5),
     ("kill@checkpoint=3", "kill", None, "checkpoint", 3, None),
     ("kill@export=1", "kill", None, "export", 1, None),
+    ("delay-checkpoint@checkpoint=2,for=1.5", "delay-checkpoint", None, "checkpoint", 2, 1.5),
+    ("disk-full@checkpoint=4", "disk-full", None, "checkpoint", 4, None),
 ])
 def test_fault_specs_parse(text, what, arg, at, n, dur):
     f = faults.parse(text)
@@ -35,8 +37,10 @@ def test_fault_specs_parse(text, what, arg, at, n, dur):
     ("exit=x@step=1", "exit=CODE needs an integer"),
     ("hang@epoch=1", "hang fires @step=N"),
     ("raise=out_of_memory@export=1", "raise fires @step=N"),
-    ("storage-down@step=3", "storage-down needs it"),
-    ("kill@step=3,for=2", "goes with storage-down only"),
+    ("storage-down@step=3", "(and they need it)"),
+    ("delay-checkpoint@checkpoint=3", "(and they need it)"),
+    ("kill@step=3,for=2", "goes with storage-down and delay-checkpoint only"),
+    ("disk-full@step=3", "disk-full fires @checkpoint=N"),
 ])
 def test_bad_fault_specs_say_what_is_expected(text, expected):
     with pytest.raises(faults.FaultSpecError) as e:

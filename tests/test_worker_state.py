@@ -5,6 +5,7 @@ Keras is imported by the tests, not at collection: other tests check that pytest
 stays free of TensorFlow.
 """
 import json
+import time
 
 import numpy as np
 import pytest
@@ -125,8 +126,14 @@ class _Clock:
     def monotonic(self):
         return self.now
 
+    @staticmethod
+    def perf_counter():  # the stall is still measured for real
+        return time.perf_counter()
 
-def test_checkpoints_every_n_seconds_within_epochs_and_once_at_the_end(tmp_path, monkeypatch):
+
+@pytest.mark.parametrize("background", [True, False])
+def test_checkpoints_every_n_seconds_within_epochs_and_once_at_the_end(tmp_path, monkeypatch,
+                                                                        background):
     from orchestrator.train import callbacks as cbm
     from orchestrator.checkpoint.store import CheckpointStore
     from orchestrator.core.heartbeat import Position
@@ -140,11 +147,16 @@ def test_checkpoints_every_n_seconds_within_epochs_and_once_at_the_end(tmp_path,
             clock.now += 0.1
 
     m, progress, store = _model(), Position(), CheckpointStore(str(tmp_path / "ck"))
-    ckpt = CheckpointSpec(every_epochs=5, keep=100, every_seconds=0.25)
-    training = cbm.OneTraining([
-        Tick(), cbm.ProgressCallback(progress),
-        cbm.CheckpointCallback(store, ckpt, progress, steps_per_epoch=8, last_epoch=2,
-                               history=[], base_manifest={}, states=CallbackStates([]))])
+    ckpt = CheckpointSpec(every_epochs=5, keep=100, every_seconds=0.25, background=background)
+    # a writer that is never busy when the next one falls due: the steps are the schedule's
+    ckpt_cb = cbm.CheckpointCallback(store, ckpt, progress, steps_per_epoch=8, last_epoch=2,
+                                     history=[], base_manifest={}, states=CallbackStates([]))
+
+    class Settle(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            ckpt_cb.writer.drain()
+
+    training = cbm.OneTraining([Tick(), cbm.ProgressCallback(progress), ckpt_cb, Settle()])
     m.fit(X, Y, batch_size=4, epochs=2, verbose=0, shuffle=False, callbacks=[training])
     assert store.list() and all(c.manifest["epoch"] < 2 for c in store.list())
     training.finish()

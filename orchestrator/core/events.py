@@ -1,8 +1,10 @@
 """Every event name the journal (events.jsonl) can hold, defined once.
 
 Both processes write events (the supervisor most, the worker ``worker_ready``, ``first_step``,
-``fault_injected``, ``resume_not_exact``, ``checkpoint_skipped`` and ``standby_ready``);
-status, the timeline and the report read them. Names are plain strings in the file, so a journal stays readable by
+``fault_injected``, ``resume_not_exact``, ``checkpoint_skipped``, ``standby_ready`` and the
+checkpoint writer's ``checkpoint_written``, ``checkpoint_skipped_busy``, ``checkpoint_waited``);
+status, the timeline and the report read them. Names are plain strings in the file, so a
+journal stays readable by
 ``jq`` and by older versions.
 """
 from __future__ import annotations
@@ -86,6 +88,13 @@ class Event:
     CHECKPOINT_COMMITTED = "checkpoint_committed"
     #: a checkpoint due was not written, and why
     CHECKPOINT_SKIPPED = "checkpoint_skipped"
+    #: the worker finished writing a checkpoint (``writer`` background or inline): ``stall_ms``
+    #: is what taking it cost the training thread, ``write_ms`` the write itself
+    CHECKPOINT_WRITTEN = "checkpoint_written"
+    #: a periodic checkpoint fell due while the previous one was still being written: not taken
+    CHECKPOINT_SKIPPED_BUSY = "checkpoint_skipped_busy"
+    #: ... or the training thread waited ``wait_ms`` for the write in flight, and why
+    CHECKPOINT_WAITED = "checkpoint_waited"
     #: a checkpoint was copied to the durable tier and read back
     CHECKPOINT_DURABLE = "checkpoint_durable"
     #: retention removed checkpoints

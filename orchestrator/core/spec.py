@@ -82,6 +82,7 @@ class CheckpointSpec:
     flush_timeout: float = 600.0           # how long the end of a run waits for durable copies
     upload_backoff_initial: float = 1.0
     upload_backoff_max: float = 60.0
+    background: bool = True                # write checkpoints off the training thread
 
     @property
     def retention(self):

@@ -476,7 +476,8 @@ def _tensorboard(r: _Reader, v, run_dir: str) -> TensorBoardSpec | None:
 
 
 CHECKPOINT_KEYS = {"every_epochs", "keep", "every_steps", "every_seconds", "keep_every_epochs",
-                   "keep_best", "local_dir", "remount", "flush_timeout", "upload_backoff"}
+                   "keep_best", "local_dir", "remount", "flush_timeout", "upload_backoff",
+                   "background"}
 
 
 def _checkpoint_spec(r: _Reader, c, name: str, run_dir: str) -> CheckpointSpec:
@@ -518,6 +519,7 @@ def _checkpoint_spec(r: _Reader, c, name: str, run_dir: str) -> CheckpointSpec:
                                         _CK.upload_backoff_initial, 0),
         upload_backoff_max=r.number(b, "max", "checkpoint.upload_backoff.max",
                                     _CK.upload_backoff_max, 0),
+        background=r.boolean(c, "background", "checkpoint.background", _CK.background),
     )
 
 

@@ -11,6 +11,10 @@
     storage-down@step=N,for=S    from step N, the checkpoint store fails (ENOTCONN) for S s
     kill@checkpoint=N      SIGKILL in the middle of the run's Nth checkpoint commit: payload
                            written, not yet renamed into place
+    delay-checkpoint@checkpoint=N,for=S   the Nth commit takes S s more (after the payload):
+                           training goes on meanwhile when checkpoints are written in the
+                           background; with kill@checkpoint=N, a kill during that write
+    disk-full@checkpoint=N the Nth commit fails with ENOSPC after writing its payload
     kill@export=1          SIGKILL as the worker starts writing the export at the end of the
                            run (after the last checkpoint)
 
@@ -20,6 +24,7 @@ only ``raise=`` for a TensorFlow kind imports it, in the worker.
 """
 from __future__ import annotations
 
+import errno
 import importlib
 import json
 import os
@@ -37,11 +42,14 @@ from orchestrator.core.events import Event
 from orchestrator.core.rundir import FAULTS_DIR
 
 ENV = "ORCHESTRATOR_FAULTS"
-_SPEC = re.compile(r"^(?P<what>kill|hang|raise|exit|corrupt-checkpoint|storage-down)"
+_SPEC = re.compile(r"^(?P<what>kill|hang|raise|exit|corrupt-checkpoint|storage-down|"
+                   r"delay-checkpoint|disk-full)"
                    r"(?:=(?P<arg>[\w-]+))?@(?P<at>step|epoch|checkpoint|export)=(?P<n>\d+)"
                    r"(?:,for=(?P<for>\d+(?:\.\d+)?))?$")
 _ALLOWED_AT = {"kill": ("step", "checkpoint", "export"), "hang": ("step",), "raise": ("step",),
-               "exit": ("step",), "corrupt-checkpoint": ("epoch",), "storage-down": ("step",)}
+               "exit": ("step",), "corrupt-checkpoint": ("epoch",), "storage-down": ("step",),
+               "delay-checkpoint": ("checkpoint",), "disk-full": ("checkpoint",)}
+_TIMED = ("storage-down", "delay-checkpoint")  # the faults that take ',for=SECONDS'
 
 
 class FaultSpecError(ValueError):
@@ -65,7 +73,8 @@ class FaultSpec:
 def parse(text: str) -> FaultSpec:
     m = _SPEC.match(text.strip())
     usage = ("expected kill@step=N, hang@step=N, raise=KIND@step=N, exit=CODE@step=N, "
-             "corrupt-checkpoint@epoch=N, storage-down@step=N,for=SECONDS, kill@checkpoint=N "
+             "corrupt-checkpoint@epoch=N, storage-down@step=N,for=SECONDS, kill@checkpoint=N, "
+             "delay-checkpoint@checkpoint=N,for=SECONDS, disk-full@checkpoint=N "
              "or kill@export=1")
     if not m:
         raise FaultSpecError(f"--fault {text!r}: {usage}")
@@ -79,10 +88,10 @@ def parse(text: str) -> FaultSpec:
                                  f"{', '.join(kinds)} (kill@ and hang@ cover killed and hang)")
     if what == "exit" and not (arg or "").isdigit():
         raise FaultSpecError(f"--fault {text!r}: exit=CODE needs an integer exit code")
-    if (what == "storage-down") != (m["for"] is not None):
-        raise FaultSpecError(f"--fault {text!r}: ',for=SECONDS' goes with storage-down only "
-                             f"(and storage-down needs it)")
-    if what in ("kill", "hang", "corrupt-checkpoint", "storage-down") and arg:
+    if (what in _TIMED) != (m["for"] is not None):
+        raise FaultSpecError(f"--fault {text!r}: ',for=SECONDS' goes with "
+                             f"{' and '.join(_TIMED)} only (and they need it)")
+    if what not in ("raise", "exit") and arg:
         raise FaultSpecError(f"--fault {text!r}: {what} takes no '=' argument")
     return FaultSpec(text.strip(), what, arg, at, int(m["n"]),
                  float(m["for"]) if m["for"] else None)
@@ -151,6 +160,10 @@ class Injector:
             raise build_exception(f.arg)
         elif f.what == "exit":
             os._exit(int(f.arg))
+        elif f.what == "delay-checkpoint":
+            time.sleep(f.duration)
+        elif f.what == "disk-full":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         # storage-down: the claim records until when; _FaultyStore consults it
 
     def _claim(self, f: FaultSpec, **extra) -> bool:
@@ -195,7 +208,10 @@ class _FaultyStore:
 
     def __init__(self, store, injector: Injector):
         self._store, self._inj = store, injector
-        self._kill_at = [f for f in injector.faults if f.what == "kill" and f.at == "checkpoint"]
+        # in firing order: a delay first, so that a kill or an error lands after it
+        order = ("delay-checkpoint", "disk-full", "kill")
+        self._at_commit = sorted((f for f in injector.faults if f.at == "checkpoint"),
+                                 key=lambda f: order.index(f.what))
 
     def __getattr__(self, name):
         attr = getattr(self._store, name)
@@ -213,14 +229,15 @@ class _FaultyStore:
 
     def commit(self, step, write_payload, manifest, keep=None):
         self._check_storage()
-        if self._kill_at:
+        if self._at_commit:
             n = self._inj.count_commit()
-            for f in self._kill_at:
-                if f.n == n:
-                    inner = write_payload
+            due = [f for f in self._at_commit if f.n == n]
+            if due:
+                inner = write_payload
 
-                    def write_payload(d, inner=inner, f=f):  # noqa: F811 - the wrapped writer
-                        inner(d)
+                def write_payload(d, inner=inner):  # noqa: F811 - the wrapped writer
+                    inner(d)
+                    for f in due:
                         if self._inj._claim(f, step=step, tmp=d):
                             self._inj._fire(f)
         c = self._store.commit(step, write_payload, manifest, keep=keep)

@@ -7,14 +7,16 @@ captures what the job's own callbacks (ReduceLROnPlateau, EarlyStopping) did at 
 """
 from __future__ import annotations
 
-import tempfile
+import copy
 import time
 
 import keras
 import numpy as np
 
 from orchestrator.train import state
+from orchestrator.checkpoint import writer
 from orchestrator.checkpoint.store import CheckpointStore
+from orchestrator.checkpoint.writer import CheckpointWriter
 from orchestrator.core.heartbeat import HeartbeatWriter, Position
 from orchestrator.core.spec import CheckpointSpec
 
@@ -250,14 +252,23 @@ class CheckpointCallback(keras.callbacks.Callback):
 
     The checkpoint is keyed by ``progress.step``, the training batches run so far: it only ever
     grows, whatever the optimizer counts (a LossScaleOptimizer does not count skipped steps).
+
+    The training thread only takes a host copy of the state (``state.Snapshot``, the metric and
+    callback state, the manifest); the fingerprints and the store's commit run in ``writer``'s
+    background thread (``checkpoint.background: false``: in line). A write error of the
+    background thread is raised here at the next step boundary; the end of training, and a
+    preemption, wait for the last write.
     """
 
     def __init__(self, store: CheckpointStore, ckpt: CheckpointSpec, progress: Position,
                  steps_per_epoch: int, last_epoch: int, history: list, base_manifest: dict,
-                 states: CallbackStates, notice=None, chief: bool = True):
-        """``chief``: False for a rank > 0 of a multi-worker group, which saves into a
-        temporary folder that is deleted (TensorFlow's rule for saving under MWMS: every
-        rank saves, the chief's copy is the checkpoint; train/multiworker.py)."""
+                 states: CallbackStates, notice=None, writer: CheckpointWriter | None = None,
+                 chief: bool = True):
+        """``chief``: False for a rank > 0 of a multi-worker group. Every rank takes the same
+        host copy at the same steps (a read of a variable may be a collective under MWMS, so
+        all ranks must do it: TensorFlow's rule for saving); only the chief writes it
+        (train/multiworker.py). Groups write in line, so that no rank skips where another
+        does not."""
         super().__init__()
         self.chief = chief
         self.store, self.ckpt, self.progress = store, ckpt, progress
@@ -265,9 +276,18 @@ class CheckpointCallback(keras.callbacks.Callback):
         self.history = list(history)
         self.base_manifest, self.states = base_manifest, states
         self.notice = notice  # preemption.PreemptionNotice: SIGTERM -> commit now, then stop
+        self.writer = writer or CheckpointWriter(background=ckpt.background)
+        self._snapshot = None
         self._last_commit = time.monotonic()
         self._committed_step: int | None = None
         self._metrics: dict = {}
+
+    def set_model(self, model):
+        super().set_model(model)
+        self._snapshot = state.Snapshot(model, compiled=self.writer.background)
+
+    def on_train_begin(self, logs=None):
+        self.writer.prepare(self._snapshot.warm)
 
     def _due(self) -> bool:
         every, secs = self.ckpt.every_steps, self.ckpt.every_seconds
@@ -280,48 +300,76 @@ class CheckpointCallback(keras.callbacks.Callback):
     def _preempted(self) -> bool:
         return self.notice is not None and self.notice.requested
 
+    def _stop_for_preemption(self):
+        self.writer.drain()  # the step we stop at is on disk before we say so
+        self.notice.stop(self._committed_step)
+
     def on_train_batch_end(self, batch, logs=None):
+        self.writer.check()  # a failed background write stops training here, not silently
         if self.progress.batch >= self.spe:
             return  # the epoch's last batch: its end commits (after validation and callbacks)
-        if self._due() or (self._preempted() and self._committed_step != self.progress.step):
-            self._commit({k: float(v) for k, v in (logs or {}).items()}, mid_epoch=True)
+        if self._preempted() and self._committed_step != self.progress.step:
+            self._commit({k: float(v) for k, v in (logs or {}).items()}, writer.PREEMPTION,
+                         mid_epoch=True)
+        elif self._due():
+            self._commit({k: float(v) for k, v in (logs or {}).items()}, writer.PERIODIC,
+                         mid_epoch=True)
         if self._preempted():
-            self.notice.stop(self._committed_step)
+            self._stop_for_preemption()
 
     def on_epoch_end(self, epoch, logs=None):
+        self.writer.check()
         done = epoch + 1
         self._metrics = {k: float(v) for k, v in (logs or {}).items()}
         self.history.append({"epoch": done, "learning_rate": self._lr, **self._metrics})
         if self.model.stop_training or done >= self.last_epoch:
             return  # committed by on_train_end, after the job's callbacks had their say
-        if done % self.ckpt.every_epochs == 0 or self._due() or self._preempted():
-            self._commit(self._metrics)
         if self._preempted():
-            self.notice.stop(self._committed_step)
+            self._commit(self._metrics, writer.PREEMPTION)
+            self._stop_for_preemption()
+        if done % self.ckpt.every_epochs == 0 or self._due():
+            self._commit(self._metrics, writer.EPOCH_END)
 
     def on_train_end(self, logs=None):
-        self._commit(self._metrics, stopped_early=bool(
+        self._commit(self._metrics, writer.FINAL, stopped_early=bool(
             self.model.stop_training and self.progress.epoch < self.last_epoch))
+        self.writer.drain()  # the end of training waits for the last checkpoint
 
-    def _commit(self, metrics: dict, mid_epoch: bool = False, stopped_early: bool = False):
+    def _commit(self, metrics: dict, reason: str, mid_epoch: bool = False,
+                stopped_early: bool = False) -> None:
+        p = self.progress
+        waited = self.writer.admit(p.step, reason)
+        if waited is None:  # skipped (journaled): the next interval starts now all the same
+            self._last_commit = time.monotonic()
+            return
+        t0 = time.perf_counter()
+        arrays = self._snapshot.take()
         states, extra = self.states.capture()
+        extra = {k: np.array(v, copy=True) for k, v in extra.items()}
         if mid_epoch:
             extra.update(state.capture_metrics(self.model))
-        p = self.progress
-        manifest = dict(self.base_manifest, epoch=p.epoch, batch=p.batch if mid_epoch else 0,
-                        metrics=metrics, history=self.history, stopped_early=stopped_early,
-                        learning_rate=get_learning_rate(self.model.optimizer), callbacks=states,
-                        weights_sha256=state.fingerprint(self.model),
-                        state_sha256=state.state_fingerprint(self.model),
-                        variables=state.describe(self.model))
-        if self.chief:
-            self.store.commit(p.step, lambda d: state.save(self.model, d, extra), manifest,
-                              keep=self.ckpt.keep)
-        else:
-            with tempfile.TemporaryDirectory(prefix="orchestrator-rank-save-") as d:
-                state.save(self.model, d, extra)
+        # copies of what the training thread goes on changing (the description is replaced,
+        # never changed, when the variables change)
+        manifest = dict(
+            self.base_manifest, epoch=p.epoch, batch=p.batch if mid_epoch else 0,
+            metrics=dict(metrics), history=[dict(h) for h in self.history],
+            stopped_early=stopped_early, learning_rate=get_learning_rate(self.model.optimizer),
+            callbacks=copy.deepcopy(states), variables=self._snapshot.description)
+        capture_ms = round((time.perf_counter() - t0) * 1000.0, 2)
+        snapshot, store, keep, step = self._snapshot, self.store, self.ckpt.keep, p.step
+        if not self.chief:
+            self._last_commit, self._committed_step = time.monotonic(), step
+            return
+
+        def write():  # in the writer's thread: nothing here reads the live model
+            manifest["weights_sha256"], manifest["state_sha256"] = snapshot.fingerprints(arrays)
+            store.commit(step, lambda d: state.save_arrays(d, arrays, extra), manifest,
+                         keep=keep)
+
+        self.writer.submit(step, write, stall_ms=waited + capture_ms, reason=reason,
+                           wait_ms=waited, capture_ms=capture_ms)
         self._last_commit = time.monotonic()
-        self._committed_step = p.step
+        self._committed_step = step
 
 
 class FaultCallback(keras.callbacks.Callback):

@@ -15,6 +15,7 @@ epoch, and callbacks may add arrays of their own (under keys ``callbacks.*``).
 from __future__ import annotations
 
 import os
+import threading
 
 import numpy as np
 
@@ -47,7 +48,7 @@ def capture(model) -> dict[str, np.ndarray]:
 
 
 def capture_metrics(model) -> dict[str, np.ndarray]:
-    return {f"metrics.{i:04d}": np.asarray(v.numpy())
+    return {f"metrics.{i:04d}": np.array(v.numpy(), copy=True)
             for i, v in enumerate(model.metrics_variables)}
 
 
@@ -90,6 +91,84 @@ def restore(model, arrays: dict[str, np.ndarray]) -> int:
     for v, a in plan:
         v.assign(a)
     return len(plan)
+
+
+class Snapshot:
+    """Host copies of every model and optimizer variable, taken on the training thread at a
+    step boundary in about a millisecond (ResNet-20 on a CPU: 204 variables, 1.4 ms against 6.5
+    ms read one by one), so that the checkpoint's write can go on in the background while
+    training changes the variables. Without a distribution strategy all variables are read by
+    one compiled function (one call instead of one per variable); distributed variables (TPU,
+    several replicas) are read one by one, as ``capture`` does. The arrays are copies, never
+    views of TensorFlow's buffers, which the next step may update in place.
+
+    The layout (keys, description, which keys are the weights) is recomputed only when the set
+    of variables changes (an optimizer built late). ``compiled=False`` (checkpoints written in
+    line) reads one by one, as before the background writer: no tracing in the first stall."""
+
+    def __init__(self, model, compiled: bool = True):
+        self.model, self.compiled = model, compiled
+        self._lock = threading.Lock()  # warm() may run in the writer's thread
+        self._ids: tuple = ()
+        self.keys: list[str] = []
+        self.weight_keys: list[str] = []
+        self.description: list[dict] = []
+        self._read = None
+
+    def _layout(self):
+        groups = _groups(self.model)
+        variables = [v for vs in groups.values() for v in vs]
+        ids = tuple(id(v) for v in variables)
+        if ids == self._ids:
+            return variables
+        self._ids = ids
+        self.keys = [f"{g}.{i:04d}" for g, vs in groups.items() for i in range(len(vs))]
+        by_id = dict(zip(ids, self.keys))
+        self.weight_keys = [by_id[id(w)] for w in self.model.weights]
+        self.description = describe(self.model)
+        self._read = _compiled_reader(variables) if self.compiled else None
+        return variables
+
+    def warm(self) -> None:
+        """Trace the compiled reader now (about 60 ms for ResNet-20), not in the first
+        checkpoint's stall; the worker runs this in the writer's thread as training begins."""
+        with self._lock:
+            self._layout()
+            if self._read is not None:
+                self._read()  # traced and run once; the values are thrown away
+
+    def take(self) -> dict[str, np.ndarray]:
+        with self._lock:
+            variables = self._layout()
+            if self._read is not None:
+                values = [t.numpy() for t in self._read()]
+            else:
+                values = [v.numpy() for v in variables]
+            return {k: np.array(a, copy=True) for k, a in zip(self.keys, values)}
+
+    def fingerprints(self, arrays: dict[str, np.ndarray]) -> tuple[str, str]:
+        """(weights sha256, state sha256) of a snapshot, equal to ``fingerprint(model)`` and
+        ``state_fingerprint(model)`` of the model it was taken from (computed off the training
+        thread)."""
+        return (weights_fingerprint(arrays[k] for k in self.weight_keys),
+                weights_fingerprint(arrays[k] for k in sorted(self.keys)))
+
+
+def _compiled_reader(variables):
+    """One ``tf.function`` returning every variable's value; None for distributed variables."""
+    import tensorflow as tf
+
+    raw = [getattr(v, "value", v) for v in variables]
+    if any(isinstance(r, tf.distribute.DistributedValues) for r in raw) \
+            or tf.distribute.has_strategy():
+        return None
+    return tf.function(lambda: [tf.identity(r) for r in raw])
+
+
+def save_arrays(directory: str, arrays: dict[str, np.ndarray],
+                extra: dict[str, np.ndarray] | None = None) -> None:
+    """``save`` from a snapshot (``Snapshot.take``), in the background writer's thread."""
+    np.savez(os.path.join(directory, STATE_FILE), **arrays, **(extra or {}))
 
 
 def fingerprint(model) -> str:

@@ -18,6 +18,7 @@ import time
 import traceback
 
 from orchestrator.checkpoint import tiers
+from orchestrator.checkpoint.writer import CheckpointWriter
 from orchestrator.train import jobcode
 from orchestrator.train.jobcode import JobError
 from orchestrator.recovery.faults import Injector
@@ -235,6 +236,9 @@ def run(prep: Prepared, rd: RunDir, attempt: int, progress, t_start: float, mark
     base_manifest = {"job": spec.name, "training_hash": spec.training_hash(), "attempt": attempt,
                      "global_batch": global_batch, "replicas": replicas,
                      "steps_per_epoch": spe, "deterministic": spec.deterministic}
+    ckpt_writer = CheckpointWriter(  # a group writes in line: no rank skips alone
+        background=spec.checkpoint.background and not _in_group(),
+        journal=lambda event, **f: journal.append(event, source="worker", attempt=attempt, **f))
     prog_cb = ProgressCallback(progress, on_first_step=lambda: journal.append(
         Event.FIRST_STEP, source="worker", attempt=attempt, since_start_s=round(
             time.time() - t_start, 3)))
@@ -256,25 +260,37 @@ def run(prep: Prepared, rd: RunDir, attempt: int, progress, t_start: float, mark
                                                      at.step))
     inner += [
         CheckpointCallback(store, spec.checkpoint, progress, spe, spec.epochs, at.history,
-                           base_manifest, states, notice, chief=rank == 0),
+                           base_manifest, states, notice, writer=ckpt_writer,
+                           chief=rank == 0),
     ]
     if injector:
         inner.append(FaultCallback(injector, progress))
     training = OneTraining(inner)
-    with notice.training():
-        for begin, end, skip in at.segments(spec.epochs):
-            prog_cb.batch_offset = skip
-            train_ds = datasets.train_dataset(data, spec.seed, begin, end, global_batch,
-                                              drop_remainder=is_tpu, skip_batches=skip)
-            model.fit(train_ds, validation_data=val_ds, epochs=end, initial_epoch=begin,
-                      steps_per_epoch=spe - skip if skip else spe, callbacks=[training],
-                      verbose=2)
-            if model.stop_training:
-                break
-        training.finish()
+    failing = True
+    try:
+        with notice.training():
+            for begin, end, skip in at.segments(spec.epochs):
+                prog_cb.batch_offset = skip
+                train_ds = datasets.train_dataset(data, spec.seed, begin, end, global_batch,
+                                                  drop_remainder=is_tpu, skip_batches=skip)
+                model.fit(train_ds, validation_data=val_ds, epochs=end, initial_epoch=begin,
+                          steps_per_epoch=spe - skip if skip else spe, callbacks=[training],
+                          verbose=2)
+                if model.stop_training:
+                    break
+            training.finish()  # commits the last checkpoint and waits for its write
+        failing = False
+    finally:  # a failed attempt still finishes the write in flight: work the next one keeps
+        ckpt_writer.close(failing=failing)
     if strategy is tf.distribute.get_strategy():  # the default strategy: the plain CPU model
         _export_at_end(spec, rd, store, model, journal, heart, attempt, injector)
     return {"epochs": progress.epoch, "fingerprint": state.fingerprint(model)}
+
+
+def _in_group() -> bool:
+    from orchestrator.train import multiworker
+
+    return multiworker.cluster() is not None
 
 
 def _rank() -> int:

@@ -1,0 +1,93 @@
+"""Real TensorFlow: checkpoints written in the background while training goes on.
+
+A kill that lands during a background write (training already steps past it) leaves the
+previous checkpoint intact and the run ends bit-identical to an uninterrupted one; a background
+write that fails with ENOSPC fails the attempt as ``storage`` (raised at a later step boundary,
+from the writer's thread), and the run goes on.
+"""
+import json
+import os
+
+import pytest
+
+from conftest import ROOT
+from orchestrator.core.journal import Journal
+from test_e2e import DIGITS_JOB, EVERY_STEPS, _completed, _start, write_job_files
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """One uninterrupted run of the digits job, shared by the tests of this module."""
+    where = tmp_path_factory.mktemp("async-ref")
+    job = _job(where)
+    env = dict(os.environ, TMPDIR=str(where / "tmp"))
+    os.makedirs(env["TMPDIR"])
+    p = _start(job, where / "run", env=env)
+    out, _ = p.communicate(timeout=300)
+    assert p.returncode == 0, out
+    return Journal(str(where / "run" / "events.jsonl")).events()
+
+
+def _job(where):
+    write_job_files(where)
+    (where / "job.yaml").write_text(DIGITS_JOB)
+    return str(where / "job.yaml")
+
+
+def _run_with_faults(tmp_path, *faults):
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "orchestrator", "run", _job(tmp_path), "--run-dir",
+           str(tmp_path / "run")]
+    for f in faults:
+        cmd += ["--fault", f]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    return Journal(str(tmp_path / "run" / "events.jsonl")).events()
+
+
+def _same_training(events, ref_events):
+    assert _completed(events)["weights_sha256"] == _completed(ref_events)["weights_sha256"]
+    assert _completed(events)["state_sha256"] == _completed(ref_events)["state_sha256"]
+    epochs = [e for e in events if e["event"] == "epoch_completed"]
+    ref_epochs = [e for e in ref_events if e["event"] == "epoch_completed"]
+    assert [(e["epoch"], e["metrics"]) for e in epochs] == \
+        [(e["epoch"], e["metrics"]) for e in ref_epochs]
+
+
+def test_a_kill_during_a_background_write_keeps_the_previous_checkpoint_and_exact_weights(
+        reference, tmp_path):
+    # the 2nd commit (step 20) takes 1.5 s more after its payload, then the worker is killed
+    events = _run_with_faults(tmp_path, "delay-checkpoint@checkpoint=2,for=1.5",
+                              "kill@checkpoint=2")
+    kill = json.loads((tmp_path / "run" / "faults" / "kill_checkpoint_2.json").read_text())
+    assert kill["step"] == 2 * EVERY_STEPS and kill["attempt"] == 1
+    # training went on beside the write: the next periodic checkpoint fell due while it was
+    # still being written and was skipped (a write made in line would have held training)
+    busy = [e for e in events if e["event"] == "checkpoint_skipped_busy" and e["attempt"] == 1]
+    assert busy and busy[0]["writing_step"] == kill["step"] and busy[0]["step"] > kill["step"]
+    ended = next(e for e in events if e["event"] == "attempt_ended" and e["attempt"] == 1)
+    assert ended["kind"] == "killed"
+    # the write in flight never got its marker: the next attempt resumes at the one before
+    ready = next(e for e in events if e["event"] == "worker_ready" and e["attempt"] == 2)
+    assert ready["resumed_from_step"] == EVERY_STEPS
+    assert not [e for e in events if e["event"] == "resume_not_exact"]
+    _same_training(events, reference)
+
+
+def test_enospc_in_the_background_writer_fails_the_attempt_as_storage(reference, tmp_path):
+    events = _run_with_faults(tmp_path, "disk-full@checkpoint=2")
+    fault = json.loads((tmp_path / "run" / "faults" / "disk-full_checkpoint_2.json").read_text())
+    record = json.loads((tmp_path / "run" / "attempts" / "1.error.json").read_text())
+    assert record["type"] == "OSError" and "[Errno 28] No space left on device" in \
+        record["message"]
+    # raised on the training thread at a later step boundary, not in the step that took it
+    assert record["step"] > fault["step"] == 2 * EVERY_STEPS
+    ended = next(e for e in events if e["event"] == "attempt_ended" and e["attempt"] == 1)
+    assert ended["kind"] == "storage", ended
+    ready = next(e for e in events if e["event"] == "worker_ready" and e["attempt"] == 2)
+    assert ready["resumed_from_step"] == EVERY_STEPS  # the failed checkpoint left nothing
+    _same_training(events, reference)
