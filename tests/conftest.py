@@ -121,3 +121,17 @@ def live(job, run_dir) -> "RunDir":
     from orchestrator.core.spec import load
 
     return RunDir.for_spec(load(str(job), run_dir=str(run_dir)))
+
+
+def wait_until(cond, timeout=120, what="condition"):
+    """Poll ``cond`` until it gives something true (returned); an AssertionError naming
+    ``what`` after ``timeout`` s. For tests that act when a run reaches a moment."""
+    import time
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        got = cond()
+        if got:
+            return got
+        time.sleep(0.02)
+    raise AssertionError(f"{what} not met within {timeout} s")

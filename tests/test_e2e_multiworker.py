@@ -11,11 +11,10 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
-from conftest import ROOT, live
+from conftest import ROOT, live, wait_until
 from orchestrator.core import heartbeat
 from orchestrator.core.journal import Journal
 from orchestrator.ops.status import format_status, run_status
@@ -51,14 +50,7 @@ def _run(job, run_dir, *args, env=None):
                             stderr=subprocess.STDOUT, text=True, env=env)
 
 
-def _wait(cond, timeout=120, what="condition"):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        got = cond()
-        if got:
-            return got
-        time.sleep(0.02)
-    raise AssertionError(f"{what} not met within {timeout} s")
+_wait = wait_until  # (conftest)
 
 
 @pytest.fixture(scope="module")

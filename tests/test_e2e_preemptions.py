@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, live
+from conftest import ROOT, live, wait_until
 from orchestrator.core import heartbeat
 from orchestrator.core.journal import Journal
 
@@ -62,14 +62,7 @@ def _start(job, run_dir):
                             stderr=subprocess.STDOUT, text=True)
 
 
-def _wait(cond, timeout=120, what="condition"):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        got = cond()
-        if got:
-            return got
-        time.sleep(0.01)
-    raise AssertionError(f"{what} not met within {timeout} s")
+_wait = wait_until  # (conftest)
 
 
 def _ev(events, name):
