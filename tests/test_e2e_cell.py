@@ -47,7 +47,8 @@ if __name__ == "__main__":
         run_dir=sys.argv[1], faults=sys.argv[2:], strategy="cpu", seed=3, deterministic=True,
         compile={"optimizer": "adam", "loss": "sparse_categorical_crossentropy",
                  "metrics": ("accuracy",)},
-        checkpoint={"every_epochs": 1, "every_steps": 5}, heartbeat_interval=0.1,
+        checkpoint={"every_epochs": 1, "every_steps": 5, "background": False},
+        heartbeat_interval=0.1,
         standby="off"))
 '''
 
