@@ -60,20 +60,21 @@ def _same_training(events, ref_events):
 
 def test_a_kill_during_a_background_write_keeps_the_previous_checkpoint_and_exact_weights(
         reference, tmp_path):
-    # the 2nd commit (step 20) takes 1.5 s more after its payload, then the worker is killed
+    # the 2nd commit (step 20, or 30 when the first write was still busy at 20) takes 1.5 s
+    # more after its payload, then the worker is killed
     events = _run_with_faults(tmp_path, "delay-checkpoint@checkpoint=2,for=1.5",
                               "kill@checkpoint=2")
     kill = json.loads((tmp_path / "run" / "faults" / "kill_checkpoint_2.json").read_text())
-    assert kill["step"] == 2 * EVERY_STEPS and kill["attempt"] == 1
+    assert kill["step"] in (2 * EVERY_STEPS, 3 * EVERY_STEPS) and kill["attempt"] == 1
     # training went on beside the write: the next periodic checkpoint fell due while it was
     # still being written and was skipped (a write made in line would have held training)
     busy = [e for e in events if e["event"] == "checkpoint_skipped_busy" and e["attempt"] == 1]
-    assert busy and busy[0]["writing_step"] == kill["step"] and busy[0]["step"] > kill["step"]
+    assert any(b["writing_step"] == kill["step"] and b["step"] > kill["step"] for b in busy)
     ended = next(e for e in events if e["event"] == "attempt_ended" and e["attempt"] == 1)
     assert ended["kind"] == "killed"
     # the write in flight never got its marker: the next attempt resumes at the one before
     ready = next(e for e in events if e["event"] == "worker_ready" and e["attempt"] == 2)
-    assert ready["resumed_from_step"] == EVERY_STEPS
+    assert ready["resumed_from_step"] == EVERY_STEPS  # the first checkpoint, committed
     assert not [e for e in events if e["event"] == "resume_not_exact"]
     _same_training(events, reference)
 
@@ -90,5 +91,5 @@ def test_enospc_in_the_background_writer_fails_the_attempt_as_storage(reference,
     ended = next(e for e in events if e["event"] == "attempt_ended" and e["attempt"] == 1)
     assert ended["kind"] == "storage", ended
     ready = next(e for e in events if e["event"] == "worker_ready" and e["attempt"] == 2)
-    assert ready["resumed_from_step"] == EVERY_STEPS  # the failed checkpoint left nothing
+    assert ready["resumed_from_step"] == EVERY_STEPS  # the first checkpoint, committed  # the failed checkpoint left nothing
     _same_training(events, reference)
