@@ -18,8 +18,9 @@ from . import arms, report
 from .stats import interleaved
 
 ARMS = ("orchestrator", "keras_fit_backup", "keras_fit")
-# The checkpoint writer side by side: background (the default) and in line
-# (``checkpoint.background: false``), on the job the stall target is about (ResNet-20).
+# The checkpoint writer side by side: background (``checkpoint.background: true``, which the
+# bench's orchestrator arms use) and in line (the default), on the job the stall target is
+# about (ResNet-20).
 SYNC_ARM, SYNC_JOBS = "orchestrator_sync", ("synthetic",)
 PARTS = ("overhead", "goodput", "recovery", "standby")
 
@@ -69,11 +70,13 @@ def prepare_jobs(cfg: Config, work: str, faults: bool) -> dict[str, str]:
     digits_src = os.path.join(arms.ROOT, "jobs", "digits", "job.yaml")
     jobs = {
         "digits": arms.prepare_job(digits_src, os.path.join(work, "jobs", "digits"),
-                                   {"restarts": RESTARTS, "epochs": cfg.digits_epochs}),
+                                   {"restarts": RESTARTS, "epochs": cfg.digits_epochs,
+                                    "checkpoint": {"background": True}}),
         "synthetic": arms.prepare_job(
             os.path.join(arms.ROOT, "jobs", "cifar10_resnet", "job.yaml"),
             os.path.join(work, "jobs", "synthetic"),
             {"name": "synthetic_resnet20", "restarts": RESTARTS, "epochs": cfg.synth_epochs,
+             "checkpoint": {"background": True},
              "deterministic": True,  # what the bit-identity promise needs (both arms get it)
              "data": {"args": {"synthetic": True, "synthetic_examples": cfg.synth_examples}}}),
     }

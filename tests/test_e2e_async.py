@@ -32,7 +32,9 @@ def reference(tmp_path_factory):
 
 def _job(where):
     write_job_files(where)
-    (where / "job.yaml").write_text(DIGITS_JOB)
+    # the background writer is opt-in (checkpoint.background)
+    (where / "job.yaml").write_text(DIGITS_JOB.replace("checkpoint: {",
+                                                       "checkpoint: {background: true, ", 1))
     return str(where / "job.yaml")
 
 
