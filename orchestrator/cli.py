@@ -144,25 +144,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# The errors whose message is the whole answer, and the exit status each gives.
+EXIT_CODES = {SpecError: EXIT_USAGE, IncompatibleResume: EXIT_USAGE, EngineUnavailable: EXIT_USAGE,
+              LockedError: EXIT_LOCKED, RunDirUnreachable: EXIT_RUN_DIR}
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except SpecError as exc:
+    except tuple(EXIT_CODES) as exc:  # a message meant for the user as it is, no traceback
         print(f"orchestrator: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except IncompatibleResume as exc:
-        print(f"orchestrator: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except LockedError as exc:
-        print(f"orchestrator: {exc}", file=sys.stderr)
-        return EXIT_LOCKED
-    except EngineUnavailable as exc:
-        print(f"orchestrator: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except RunDirUnreachable as exc:
-        print(f"orchestrator: {exc}", file=sys.stderr)
-        return EXIT_RUN_DIR
+        return next(code for kind, code in EXIT_CODES.items() if isinstance(exc, kind))
 
 
 if __name__ == "__main__":
