@@ -98,14 +98,9 @@ class Attempt:
         """Spawn the worker. ``path``: how this attempt started, journaled with
         ``attempt_started`` (a cold start, and why it was not a promoted standby)."""
         self.t0 = time.time()
-        with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, start_new_session=True,
-                                         env=self.env, cwd=self.cwd)
-        proc = self.proc
+        self.proc = spawn(self.cmd, self.env, self.cwd, self.log)
         self._running(from_epoch, path)
-        threading.Thread(target=lambda: self.events.put(("exit", proc, proc.wait())),
-                         name=f"wait-attempt-{self.n}", daemon=True).start()
+        watch_exit(self.proc, self.events, self.proc, f"wait-attempt-{self.n}")
 
     def adopt(self, proc: subprocess.Popen, from_epoch: int, path: dict) -> None:
         """A promoted standby (supervise/standby.py) is this attempt: its process is already
@@ -218,6 +213,21 @@ class Attempt:
         (data-loader processes that ignore SIGTERM too)."""
         if self.proc is not None:
             kill_group(self.proc, self.stop_grace if grace is None else grace)
+
+
+def spawn(cmd: list[str], env: dict, cwd: str, log: str,
+          stdin=subprocess.DEVNULL) -> subprocess.Popen:
+    """A worker process in its own process group (so a stop reaches its data-loader children
+    too), its output appended to ``log``: an attempt's, a standby's, a group's rank."""
+    with open(log, "ab") as out:
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=stdin,
+                                start_new_session=True, env=env, cwd=cwd)
+
+
+def watch_exit(proc: subprocess.Popen, events: queue.Queue, key, name: str) -> None:
+    """Put ``("exit", key, status)`` on the supervisor's queue the moment ``proc`` exits."""
+    threading.Thread(target=lambda: events.put(("exit", key, proc.wait())), name=name,
+                     daemon=True).start()
 
 
 def kill_group(proc: subprocess.Popen, grace: float) -> None:

@@ -24,14 +24,13 @@ import json
 import os
 import socket
 import subprocess
-import threading
 import time
 from dataclasses import dataclass, field
 
 from orchestrator.core import heartbeat
 from orchestrator.core.events import Event
 from orchestrator.core.rundir import RunDir
-from orchestrator.supervise.attempt import Attempt, Phase, kill_group
+from orchestrator.supervise.attempt import Attempt, Phase, kill_group, spawn, watch_exit
 
 
 class EngineUnavailable(RuntimeError):
@@ -78,13 +77,9 @@ class LocalEngine:
         return [(os.uname().nodename, f"127.0.0.1:{free_port()}") for _ in range(size)]
 
     def spawn(self, m: Member, cmd: list[str], env: dict, cwd: str, events) -> None:
-        with open(m.log, "ab") as log:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, start_new_session=True,
-                                    env=env, cwd=cwd)
+        proc = spawn(cmd, env, cwd, m.log)
         m.handle, m.pid = proc, proc.pid
-        threading.Thread(target=lambda: events.put(("exit", m, proc.wait())),
-                         name=f"wait-rank-{m.rank}", daemon=True).start()
+        watch_exit(proc, events, m, f"wait-rank-{m.rank}")
 
     def signal(self, m: Member, sig: int) -> None:
         try:

@@ -24,7 +24,6 @@ import os
 import queue
 import signal
 import subprocess
-import threading
 import time
 from typing import Callable
 
@@ -34,6 +33,7 @@ from orchestrator.core.kinds import Action
 from orchestrator.core.rundir import RunDir
 from orchestrator.core.spec import JobSpec
 from orchestrator.recovery.failures import read_tail
+from orchestrator.supervise.attempt import spawn, watch_exit
 
 WARM = "warm"                # imported, built, compiled, traced
 IMPORT_ONLY = "import_only"  # imported TensorFlow only (a TPU the active worker holds)
@@ -76,16 +76,11 @@ class Standby:
 
     def start(self) -> "Standby":
         self.t0 = time.time()
-        with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.PIPE, start_new_session=True,
-                                         env=self.env, cwd=self.cwd)
-        proc = self.proc
+        self.proc = proc = spawn(self.cmd, self.env, self.cwd, self.log, stdin=subprocess.PIPE)
         self.journal.append(Event.STANDBY_STARTED, for_attempt=self.for_attempt, pid=proc.pid,
                             mode=self.mode, log=self.log)
         # the same queue and item as an attempt's: once promoted, Attempt.wait sees its exit
-        threading.Thread(target=lambda: self.events.put(("exit", proc, proc.wait())),
-                         name=f"wait-standby-{self.for_attempt}", daemon=True).start()
+        watch_exit(proc, self.events, proc, f"wait-standby-{self.for_attempt}")
         return self
 
     def alive(self) -> bool:
