@@ -18,9 +18,9 @@ from . import arms, report
 from .stats import interleaved
 
 ARMS = ("orchestrator", "keras_fit_backup", "keras_fit")
-# The checkpoint writer side by side: background (``checkpoint.background: true``, which the
-# bench's orchestrator arms use) and in line (the default), on the job the stall target is
-# about (ResNet-20).
+# The checkpoint writer side by side: background (``checkpoint.background: true``, the default,
+# which the bench's orchestrator arms say explicitly) and in line, on the job the stall target
+# is about (ResNet-20).
 SYNC_ARM, SYNC_JOBS = "orchestrator_sync", ("synthetic",)
 PARTS = ("overhead", "goodput", "recovery", "standby")
 

@@ -178,13 +178,19 @@ def test_killed_runs_end_bit_identical_to_an_uninterrupted_one(digits_job, tmp_p
         print(f"  attempt {attempt}: {where} at step ~{hb['step']} (epoch {hb['epoch']}, "
               f"batch {hb['batch']}); resumed at step {resumed}: "
               f"~{max(0, hb['step'] - resumed)} redone")
-        # a resume starts at the newest committed checkpoint: one interval back, plus one for
-        # each checkpoint that fell due while the background writer was still busy with an
-        # earlier one (skipped, or waited for when the kill came)
+        # a resume starts at the newest checkpoint committed before it (the supervisor scans
+        # the tiers when an attempt ends) ...
+        before = events[:events.index(ready[attempt + 1])]
+        assert resumed == max((e["step"] for e in before
+                               if e["event"] == "checkpoint_committed"), default=0), (
+            where, hb, resumed)
+        # ... at most one interval back, one more for the background write in flight at the
+        # kill (it never got its marker) and one for each checkpoint that fell due while the
+        # writer was busy (skipped, or waited for when the kill came)
         busy = [e for e in events if e["event"] in ("checkpoint_skipped_busy",
                                                     "checkpoint_waited")
                 and e["attempt"] == attempt]
-        assert hb["step"] - resumed <= EVERY_STEPS * (1 + len(busy)), (where, hb, resumed)
+        assert hb["step"] - resumed <= EVERY_STEPS * (2 + len(busy)), (where, hb, resumed)
     assert any(r["resumed_from_batch"] > 0 for r in ready.values())  # mid-epoch resumes
     assert not [e for e in events if e["event"] == "resume_not_exact"]
 
@@ -202,7 +208,10 @@ def test_killed_runs_end_bit_identical_to_an_uninterrupted_one(digits_job, tmp_p
         return {e["step"]: e["state_sha256"] for e in evs if e["event"] == "checkpoint_committed"}
     ours, theirs = states(events), states(ref_events)
     common = sorted(set(ours) & set(theirs))
-    assert len(common) >= 15, common
+    # 25 fall due in each run (every 10 steps and each epoch end, 225 steps); the background
+    # writer skips one when the previous write is still busy (on a loaded machine, a few per
+    # run, different ones in each run): at least half of them are compared
+    assert len(common) >= 12, common
     assert {s: ours[s] for s in common} == {s: theirs[s] for s in common}
 
 

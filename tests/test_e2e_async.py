@@ -32,7 +32,7 @@ def reference(tmp_path_factory):
 
 def _job(where):
     write_job_files(where)
-    # the background writer is opt-in (checkpoint.background)
+    # the background writer is the default; said here since it is what these tests are about
     (where / "job.yaml").write_text(DIGITS_JOB.replace("checkpoint: {",
                                                        "checkpoint: {background: true, ", 1))
     return str(where / "job.yaml")

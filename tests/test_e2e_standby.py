@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, live, wait_until
 from orchestrator.core import heartbeat
 from orchestrator.core.journal import Journal
 
@@ -41,9 +41,9 @@ def _job(tmp_path, name, standby):
     return str(p)
 
 
-def _start(job, run_dir):
+def _start(job, run_dir, *args):
     return subprocess.Popen([sys.executable, "-m", "orchestrator", "run", job, "--run-dir",
-                             str(run_dir)], cwd=ROOT, stdout=subprocess.PIPE,
+                             str(run_dir), *args], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
 
 
@@ -57,49 +57,74 @@ def _wait(journal, event, timeout=120, **match):
     raise AssertionError(f"no {event} {match} within {timeout} s")
 
 
-def _kill_mid_epoch(run, attempt, pid):
+def _kill_mid_epoch(control, attempt, pid):
     """SIGKILL ``pid`` at a batch that is no checkpoint's (mid-epoch, work since the last
-    checkpoint is lost and redone); returns the time of the kill."""
-    deadline = time.time() + 60
-    while time.time() < deadline:
-        hb = heartbeat.read(str(run)) or {}
-        if (hb.get("attempt") == attempt and hb.get("phase") == "training"
-                and 3 <= hb.get("batch", 0) <= 40 and hb.get("step", 0) % 10 not in (0, 9)):
-            t = time.time()
-            os.kill(pid, signal.SIGKILL)
-            return t
-        time.sleep(0.005)
-    raise AssertionError(f"attempt {attempt} never reached a mid-epoch batch")
+    checkpoint is lost and redone); returns the time of the kill. ``control``: the local
+    control folder, where the heartbeat is written first."""
+    def due():
+        hb = heartbeat.read(control) or {}
+        return (hb.get("attempt") == attempt and hb.get("phase") == "training"
+                and 25 <= hb.get("batch", 0) <= 40 and hb.get("step", 0) % 10 not in (0, 9))
+    wait_until(due, timeout=60, what=f"attempt {attempt} at a mid-epoch batch")
+    t = time.time()
+    os.kill(pid, signal.SIGKILL)
+    return t
+
+
+def _kill_between_epochs(control, attempt, pid):
+    """SIGKILL ``pid`` once an epoch has ended, before the next one starts."""
+    wait_until(lambda: (lambda hb: hb.get("attempt") == attempt
+                        and hb.get("phase") == "epoch_end")(heartbeat.read(control) or {}),
+               timeout=60, what=f"attempt {attempt} between epochs")
+    t = time.time()
+    os.kill(pid, signal.SIGKILL)
+    return t
 
 
 def _ev(events, name):
     return [e for e in events if e["event"] == name]
 
 
-def test_standby_killed_then_two_workers_killed_recover_warm_and_end_bit_identical(tmp_path):
+# The 2nd checkpoint's write is held in the background writer; training goes on until the next
+# periodic one waits for it. The worker is killed while that write is in flight.
+SLOW_WRITE = "delay-checkpoint@checkpoint=2,for=90"
+
+
+def test_kills_mid_epoch_between_epochs_and_during_a_write_recover_warm_bit_identical(
+        tmp_path):
     ref = _start(_job(tmp_path, "ref", "off"), tmp_path / "ref-run")
     out, _ = ref.communicate(timeout=300)
     assert ref.returncode == 0, out
     ref_events = Journal(str(tmp_path / "ref-run" / "events.jsonl")).events()
 
     run = tmp_path / "run"
-    journal = Journal(str(run / "events.jsonl"))
-    sup = _start(_job(tmp_path, "warm", "auto"), run)
+    job = _job(tmp_path, "warm", "auto")
+    ctl = live(job, run)
+    journal = Journal(ctl.journal)
+    sup = _start(job, run, "--fault", SLOW_WRITE)
     try:
         # 1. the standby itself, killed while it warms up: it is replaced
         first = _wait(journal, "standby_started", for_attempt=2)
         time.sleep(1.0)
         os.kill(first["pid"], signal.SIGKILL)
         _wait(journal, "standby_lost", pid=first["pid"])
-        # 2. the active worker killed mid-epoch: the replacement standby becomes attempt 2
+        # 2. the active worker killed while the 2nd checkpoint's write is in flight, once the
+        #    replacement standby is ready: the standby becomes attempt 2, from the 1st
         ready2 = _wait(journal, "standby_ready", for_attempt=2)
         assert ready2["pid"] != first["pid"]
+        slow = _wait(journal, "fault_injected", fault=SLOW_WRITE)
         a1 = _wait(journal, "attempt_started", attempt=1)
-        kills = [(_kill_mid_epoch(run, 1, a1["pid"]), 2)]
+        assert time.time() < slow["until"] - 5, "the write was no longer in flight"
+        kills = [(time.time(), 2, "during a background write")]
+        os.kill(a1["pid"], signal.SIGKILL)
         # 3. the promoted worker killed mid-epoch once a standby stands behind it
-        ready3 = _wait(journal, "standby_ready", for_attempt=3)
+        _wait(journal, "standby_ready", for_attempt=3)
         a2 = _wait(journal, "attempt_started", attempt=2)
-        kills.append((_kill_mid_epoch(run, 2, a2["pid"]), 3))
+        kills.append((_kill_mid_epoch(ctl.control, 2, a2["pid"]), 3, "mid-epoch"))
+        # 4. and the next one killed between epochs
+        _wait(journal, "standby_ready", for_attempt=4)
+        a3 = _wait(journal, "attempt_started", attempt=3)
+        kills.append((_kill_between_epochs(ctl.control, 3, a3["pid"]), 4, "between epochs"))
         out, _ = sup.communicate(timeout=300)
     finally:
         if sup.poll() is None:
@@ -108,19 +133,26 @@ def test_standby_killed_then_two_workers_killed_recover_warm_and_end_bit_identic
     events = journal.events()
 
     started = {e["attempt"]: e for e in _ev(events, "attempt_started")}
-    assert [started[n]["path"] for n in (1, 2, 3)] == ["cold", "warm", "warm"]
-    assert (started[2]["pid"], started[3]["pid"]) == (ready2["pid"], ready3["pid"])
+    assert [started[n]["path"] for n in (1, 2, 3, 4)] == ["cold", "warm", "warm", "warm"]
+    standbys = {e["for_attempt"]: e["pid"] for e in _ev(events, "standby_ready")}
+    assert all(started[n]["pid"] == standbys[n] for n in (2, 3, 4))
     ready = {e["attempt"]: e for e in _ev(events, "worker_ready")}
-    assert [ready[n]["warm"] for n in (1, 2, 3)] == [False, True, True]
-    assert all(ready[n]["resumed_from_batch"] > 0 for n in (2, 3))  # mid-epoch resumes
+    assert [ready[n]["warm"] for n in (1, 2, 3, 4)] == [False, True, True, True]
+    # the write in flight at the kill (step 20, or 30 when the first write was still busy at
+    # 20, skipped) never got its marker: attempt 2 resumes at the 1st, step 10
+    assert slow["step"] in (20, 30) and ready[2]["resumed_from_step"] == 10
+    for n in (2, 3, 4):  # each resume from the newest checkpoint committed before it
+        before = events[:events.index(ready[n])]
+        assert ready[n]["resumed_from_step"] == max(
+            e["step"] for e in before if e["event"] == "checkpoint_committed"), n
     first_step = {e["attempt"]: e["ts"] for e in _ev(events, "first_step")}
     cold = first_step[1] - started[1]["ts"]
     print(f"\ncold start (attempt 1, process start -> first step): {cold:.2f} s")
-    for t, n in kills:
-        print(f"kill -> first step of attempt {n} (a promoted standby): "
+    for t, n, where in kills:
+        print(f"kill {where} -> first step of attempt {n} (a promoted standby): "
               f"{first_step[n] - t:.2f} s ({(first_step[n] - t) / cold:.2f}x)")
     assert not _ev(events, "resume_not_exact")
-    assert heartbeat.read(str(run))["pid"] == started[3]["pid"]  # the trainer's pid
+    assert heartbeat.read(str(run))["pid"] == started[4]["pid"]  # the trainer's pid
 
     done, ref_done = _ev(events, "run_completed")[0], _ev(ref_events, "run_completed")[0]
     assert done["weights_sha256"] == ref_done["weights_sha256"]

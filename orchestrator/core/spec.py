@@ -82,9 +82,8 @@ class CheckpointSpec:
     flush_timeout: float = 600.0           # how long the end of a run waits for durable copies
     upload_backoff_initial: float = 1.0
     upload_backoff_max: float = 60.0
-    # write checkpoints off the training thread (opt-in: a kill then also loses the write in
-    # flight, one interval more than in line; the e2e kill-timing tests assume in line)
-    background: bool = False
+    # write checkpoints off the training thread (checkpoint/writer.py); false: in line
+    background: bool = True
 
     @property
     def retention(self):
