@@ -194,7 +194,7 @@ def test_a_lock_left_by_a_recycled_vm_does_not_read_as_running(tmp_path):
 
 def test_status_of_a_running_run_shows_where_the_worker_is(fake_job, tmp_path, capsys):
     job = fake_job(epochs=3)
-    p = supervisor_process(job, {"epoch_s": 60, "batches": 600})
+    p = supervisor_process(job, {"epoch_s": 5, "batches": 600})
     try:
         hb = tmp_path / "run" / "heartbeat.json"
         deadline = time.time() + 60
