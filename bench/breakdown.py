@@ -81,6 +81,23 @@ def hang_death(events: list[dict], attempt: int) -> float | None:
     return hang["ts"] - hang["last_heartbeat_age_s"]
 
 
+def injected_kill(events: list[dict], attempt: int) -> float | None:
+    """When ``attempt`` SIGKILLed itself for ``--fault kill@...``: its ``fault_injected`` event,
+    journaled just before the signal (the last heartbeat would be up to a beat early)."""
+    return next((e["ts"] for e in events if e["event"] == "fault_injected"
+                 and e.get("attempt") == attempt and str(e.get("fault", "")).startswith("kill@")),
+                None)
+
+
+def recovery_labels(events: list[dict], attempt: int) -> dict:
+    """What ``attempt`` died of (the supervisor's kind) and which path the next attempt took
+    (``warm``: a promoted standby, ``cold``: a new process), as the journal says."""
+    idx = _index(events)
+    ended = idx.get(("attempt_ended", attempt)) or {}
+    started = idx.get(("attempt_started", attempt + 1)) or {}
+    return {"kind": ended.get("kind"), "path": started.get("path")}
+
+
 def orchestrator_startup(events: list[dict], launched: float, attempt: int = 1) -> dict:
     """A cold start: from launching ``orchestrator run`` to the first step of ``attempt``."""
     pts = _worker_points(_index(events), attempt)
