@@ -44,7 +44,8 @@ def fault_recoveries(recovery: dict, hang_timeout_s: float | None) -> dict:
             ratios = [_ratio(x.get("total"), cold, minus) for x, cold in xs]
             paths = [x.get("path") for x, _ in xs]
             target = {"kill": KILL_RATIO, "raise": RAISE_RATIO, "hang": HANG_COLD_SHARE}[fault]
-            ratio = median(ratios)
+            ratio = median(ratios)  # as shown (3 decimals), so the verdict matches the cell
+            ratio = None if ratio is None else round(ratio, 3)
             out[f"{fault}/{mode}"] = {
                 "fault": fault, "mode": mode, "n": len(xs), "total_s": median(totals),
                 "total_spread": spread(totals), "cold_start_s": median(c for _, c in xs),
