@@ -75,7 +75,8 @@ def _same(values: list) -> bool | None:
 
 
 def _ratio(runs: dict, a: str, b: str, key: str) -> float | None:
-    return median(paired_ratios([r[key] for r in runs[a]], [r[key] for r in runs[b]]))
+    return median(paired_ratios([r[key] for r in runs.get(a, [])],
+                                [r[key] for r in runs.get(b, [])]))
 
 
 def summarise(results: dict) -> dict:
@@ -97,7 +98,7 @@ def summarise(results: dict) -> dict:
         s["cold_start"][f"{job}/orchestrator"] = breakdown.median_phases(
             [r["startup"] for r in runs["orchestrator"]])
         s["cold_start"][f"{job}/keras_fit"] = breakdown.median_phases(
-            [r["startup"] for a in ("keras_fit", "keras_fit_backup") for r in runs[a]])
+            [r["startup"] for a in ("keras_fit", "keras_fit_backup") for r in runs.get(a, [])])
         orch = runs["orchestrator"]
         s["footprint"][job] = {
             "supervisor_peak_rss_mb": median(r["supervisor"]["peak_rss_mb"] for r in orch),
@@ -106,7 +107,8 @@ def summarise(results: dict) -> dict:
                                            if r["supervisor"]["cpu_s"] is not None),
             "wall_s": median(r["wall_s"] for r in orch),
             "worker_peak_rss_mb": median(r["worker_peak_rss_mb"] for r in orch),
-            "keras_fit_peak_rss_mb": median(r["peak_rss_mb"] for r in runs["keras_fit"]),
+            "keras_fit_peak_rss_mb": median(r["peak_rss_mb"] for r in
+                                            runs.get("keras_fit") or runs["keras_fit_backup"]),
         }
     samples = {}
     rec = results.get("recovery") or {}
@@ -225,7 +227,7 @@ def markdown(results: dict) -> str:
     rows = []
     for job, o in s["overhead"].items():
         runs = results["overhead"][job]
-        rows.append([job] + [fmt_median([r["wall_s"] for r in runs[a]])
+        rows.append([job] + [fmt_median([r["wall_s"] for r in runs.get(a, [])])
                              for a in ("orchestrator", "keras_fit_backup", "keras_fit")]
                     + [fmt_s(o["orchestrator_export_s"])]
                     + [fmt_ratio(o["wall_ratio_vs_backup"]), fmt_ratio(o["wall_ratio_vs_plain"]),
@@ -241,8 +243,8 @@ def markdown(results: dict) -> str:
             "epoch's end (the orchestrator: its last checkpoint's commit), i.e. without "
             "start-up. Same data, epochs, batch and seed; the plain script shuffles with "
             "`fit(shuffle=True)`, the orchestrator with its (seed, epoch) order.", ""]
-    rep = [[job, *(fmt_yes(o["reproducible"][a]) for a in ("orchestrator", "keras_fit_backup",
-                                                         "keras_fit"))]
+    rep = [[job, *(fmt_yes(o["reproducible"].get(a)) for a in ("orchestrator", "keras_fit_backup",
+                                                              "keras_fit"))]
            for job, o in s["overhead"].items()]
     out += [md_table(["job", "orchestrator: same weights every run",
                       "fit+B&R: same weights every run", "fit: same weights every run"], rep), ""]
@@ -292,7 +294,8 @@ def markdown(results: dict) -> str:
     gjob = results["jobs"].get("goodput_auto")
     out += targets.goodput_markdown(s, cfg["seed"], cfg.get("kill_every_s", 20.0),
                                     f"`jobs/cifar10_resnet` ResNet-20, {cfg['synth_examples']} "
-                                    f"synthetic images, {describe_job(gjob)}" if gjob else "-")
+                                    f"synthetic images, {describe_job(gjob)}" if gjob else "-",
+                                    gjob.get("epochs") if gjob else None)
     if not s["footprint"]:
         return "\n".join(out)
     out += ["### 4. Footprint of the supervisor", ""]

@@ -218,7 +218,8 @@ def faults_markdown(s: dict, hang_timeout_s: float | None) -> list[str]:
             ""]
 
 
-def goodput_markdown(s: dict, seed: int, mean_s: float, job: str) -> list[str]:
+def goodput_markdown(s: dict, seed: int, mean_s: float, job: str,
+                     epochs: int | None = None) -> list[str]:
     g = s.get("goodput") or {}
     if not g.get("arms"):
         return []
@@ -253,6 +254,11 @@ def goodput_markdown(s: dict, seed: int, mean_s: float, job: str) -> list[str]:
                "no uninterrupted run of this 2-minute job in this configuration (it would take "
                "~4.5 more minutes; `--goodput-reference`), so the two orchestrator arms, killed "
                "at different steps, are checked against each other."), ""]
+    if epochs:
+        out += ["Kept training per epoch (useful / epochs): " + ", ".join(
+            f"{ARM_LABELS.get(arm, arm)} {x['useful_s'] / epochs:.2f} s"
+            for arm, x in g["arms"].items() if x["useful_s"]) + ". With the standby on, it "
+            "warms up (at nice 19) on the cores the worker trains on.", ""]
     a = g["arms"].get("standby_auto")
     if a and a.get("standby_rss_mb"):
         out += [f"Memory: the standby holds {fmt_s(a['standby_rss_mb'], 0)} MiB when ready, "
