@@ -254,9 +254,25 @@ def run_keras(job: str, work_dir: str, backup: bool, loop_plan: KillPlan | None 
         "peak_rss_mb": peak,
         "attempts": len({e["pid"] for e in lines}),
         "kills": watch.kills,
+        "failed_alone": breakdown.baseline_failed_alone(lines, watch.kills),
+        "last_error": last_error(os.path.join(work_dir, "out.log")),
         "recoveries": [dict(breakdown.baseline_recovery(lines, k["pid"], k["ts"]), pid=k["pid"])
                        for k in watch.kills],
     }
+
+
+def last_error(log: str) -> str | None:
+    """The last Python exception line of a log (``Type: message``), to say why a plain script
+    that nobody killed failed (a BackupAndRestore file left torn by a kill, say)."""
+    import re
+
+    pattern = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception): .+")
+    try:
+        with open(log, encoding="utf-8", errors="replace") as f:
+            hits = [line.strip() for line in f if pattern.match(line)]
+    except FileNotFoundError:
+        return None
+    return hits[-1][:300] if hits else None
 
 
 def kill_schedule(seed: int, mean_s: float, count: int | None = None,

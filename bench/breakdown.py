@@ -164,6 +164,14 @@ def heartbeat_progress(beat: dict | None, attempt: int, steps_per_epoch: int) ->
     return int(beat.get("epoch", 0)) * steps_per_epoch + int(beat.get("batch", 0))
 
 
+def baseline_failed_alone(lines: list[dict], kills: list[dict]) -> int:
+    """Processes of the plain script that ended without finishing and were not killed by the
+    bench: each one a restart of the shell loop caused by the script failing on its own."""
+    killed = {k["pid"] for k in kills}
+    return sum(pid not in killed and not any(e["event"] == "end" for e in evs)
+               for pid, evs in _by_pid(lines))
+
+
 def steps_redone(kills: list[dict]) -> int:
     """Steps trained after the last saved state by the processes that were killed."""
     return sum(max(0, (k.get("reached") or 0) - (k.get("saved") or 0)) for k in kills)

@@ -97,6 +97,9 @@ def goodput_summary(goodput: dict) -> dict:
             "fingerprints": [r.get("fingerprint") for r in runs],
             "fingerprint_equal": [None if fp_ref is None or not r.get("fingerprint") else
                                   r["fingerprint"] == fp_ref for r in runs],
+            "failed_alone": sum(r.get("failed_alone") or 0 for r in runs),
+            "last_error": next((r["last_error"] for r in runs
+                                if r.get("failed_alone") and r.get("last_error")), None),
             "standby_rss_mb": median(x for r in runs for x in r.get("standby_rss_mb") or []),
             "worker_peak_rss_mb": median(r.get("worker_peak_rss_mb") for r in runs),
         }
@@ -252,12 +255,18 @@ def goodput_markdown(s: dict, seed: int, mean_s: float, job: str,
             + ("each run against an uninterrupted run of the same kind (orchestrator; fit + "
                "BackupAndRestore)." if g.get("reference_run") else
                "no uninterrupted run of this 2-minute job in this configuration (it would take "
-               "~4.5 more minutes; `--goodput-reference`), so the two orchestrator arms, killed "
+               "~5 more minutes; `--goodput-reference`), so the two orchestrator arms, killed "
                "at different steps, are checked against each other."), ""]
+    for arm, x in g["arms"].items():
+        if x.get("failed_alone"):
+            out += [f"**{ARM_LABELS.get(arm, arm)}**: {x['failed_alone']} of its processes "
+                    f"failed on their own (not killed), each a restart of the loop; the last "
+                    f"error: `{x['last_error'] or '-'}`.", ""]
     if epochs:
         out += ["Kept training per epoch (useful / epochs): " + ", ".join(
             f"{ARM_LABELS.get(arm, arm)} {x['useful_s'] / epochs:.2f} s"
-            for arm, x in g["arms"].items() if x["useful_s"]) + ". With the standby on, it "
+            for arm, x in g["arms"].items() if x["useful_s"] and x["completed"]) + ". With "
+            "the standby on, it "
             "warms up (at nice 19) on the cores the worker trains on.", ""]
     a = g["arms"].get("standby_auto")
     if a and a.get("standby_rss_mb"):

@@ -100,6 +100,9 @@ def test_shell_loop_recovery_and_progress_from_the_baseline_lines(baseline_lines
     assert breakdown.baseline_progress(at_kill, 21, 10) == (17, 10)
     assert breakdown.baseline_startup(baseline_lines, launched=2000.0)["total"] == pytest.approx(4.0)
     assert breakdown.baseline_fingerprint(baseline_lines) == "cc"
+    # pid 21 was killed, pid 22 finished: none failed on its own; unkilled, 21 did
+    assert breakdown.baseline_failed_alone(baseline_lines, [{"pid": 21}]) == 0
+    assert breakdown.baseline_failed_alone(baseline_lines, []) == 1
     # the same rule for the plain script: first step to the last saved epoch, per process
     assert breakdown.baseline_useful(baseline_lines) == pytest.approx(1.0 + 2.0)
 
@@ -338,3 +341,15 @@ def test_every_target_is_stated_with_its_figure_and_verdict():
     assert rows["training-thread stall per checkpoint, ResNet-20, median"]["passed"] is False
     md = "\n".join(targets.targets_markdown({"targets": list(rows.values())}))
     assert "| goodput, orchestrator, standby: auto | >= 0.75 | 0.740" in md and "**FAIL**" in md
+
+
+def test_the_last_error_of_a_plain_script_s_log(tmp_path):
+    log = tmp_path / "out.log"
+    log.write_text("Epoch 1/80\nTraceback (most recent call last):\n  File x\n"
+                   "OSError: Unable to synchronously open file (bad object header version "
+                   "number)\n[loop] exit 1; restart 21 in 1.0s\nKilled\n")
+    assert arms.last_error(str(log)) == ("OSError: Unable to synchronously open file (bad "
+                                         "object header version number)")
+    log.write_text("Epoch 1/80\nall fine\n")
+    assert arms.last_error(str(log)) is None
+    assert arms.last_error(str(tmp_path / "absent.log")) is None
