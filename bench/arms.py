@@ -97,6 +97,8 @@ class OrchestratorWatch(_Watch):
             self.last_beat[beat["attempt"]] = max(self.last_beat.get(beat["attempt"], 0),
                                                   beat.get("time", 0))
         events = self.journal.events()
+        if any(e["event"] == "run_completed" for e in events):
+            return  # a kill now would hit a worker that is exiting: no preemption to recover
         ended = {e["attempt"] for e in events if e["event"] == "attempt_ended"}
         live = [e for e in events if e["event"] == "attempt_started" and e["attempt"] not in ended]
         if not live:
@@ -193,8 +195,11 @@ def run_orchestrator(job: str, run_dir: str, plan: KillPlan | None = None,
             continue
         record = read_json(os.path.join(watch.run_dir, "attempts", f"{n}.error.json"))
         hang = breakdown.hang_death(events, n)
+        killed_itself = breakdown.injected_kill(events, n)
         if hang is not None:
             deaths[n] = hang
+        elif killed_itself is not None:
+            deaths[n] = killed_itself
         elif record and record.get("attempt") == n and record.get("time"):
             deaths[n] = record["time"]
         elif n in watch.last_beat:
@@ -217,13 +222,14 @@ def run_orchestrator(job: str, run_dir: str, plan: KillPlan | None = None,
                       "kind": e.get("kind")} for e in ended if e.get("exit_code") != 0],
         "kills": watch.kills,
         "checkpoints": breakdown.checkpoint_writes(events),
-        "recoveries": [dict(breakdown.orchestrator_recovery(events, n, t), attempt=n)
+        "recoveries": [dict(breakdown.orchestrator_recovery(events, n, t), attempt=n,
+                            **breakdown.recovery_labels(events, n))
                        for n, t in sorted(deaths.items())],
     }
 
 
 def run_keras(job: str, work_dir: str, backup: bool, loop_plan: KillPlan | None = None,
-              loop: bool = False, timeout: float = 300.0) -> dict:
+              loop: bool = False, timeout: float = 300.0, max_restarts: int = 10) -> dict:
     """The plain script once (``loop=False``) or in the shell restart loop, killed per plan."""
     os.makedirs(work_dir, exist_ok=True)
     events_path = os.path.join(work_dir, "events.jsonl")
@@ -232,7 +238,7 @@ def run_keras(job: str, work_dir: str, backup: bool, loop_plan: KillPlan | None 
         cmd += ["--backup-dir", os.path.join(work_dir, "backup")]
     if loop:
         cmd = [RESTART_LOOP, *cmd]
-    env = dict(os.environ, RESTART_DELAY=str(RESTART_DELAY_S), MAX_RESTARTS="10",
+    env = dict(os.environ, RESTART_DELAY=str(RESTART_DELAY_S), MAX_RESTARTS=str(max_restarts),
                PYTHONUNBUFFERED="1")
     watch = LoopWatch(events_path, loop_plan if loop else None)
     fin = procs.run(cmd, os.path.join(work_dir, "out.log"), cwd=ROOT, env=env, timeout=timeout,
@@ -248,19 +254,40 @@ def run_keras(job: str, work_dir: str, backup: bool, loop_plan: KillPlan | None 
         "peak_rss_mb": peak,
         "attempts": len({e["pid"] for e in lines}),
         "kills": watch.kills,
+        "failed_alone": breakdown.baseline_failed_alone(lines, watch.kills),
+        "last_error": last_error(os.path.join(work_dir, "out.log")),
         "recoveries": [dict(breakdown.baseline_recovery(lines, k["pid"], k["ts"]), pid=k["pid"])
                        for k in watch.kills],
     }
 
 
+def last_error(log: str) -> str | None:
+    """The last Python exception line of a log (``Type: message``), to say why a plain script
+    that nobody killed failed (a BackupAndRestore file left torn by a kill, say)."""
+    import re
 
-def kill_schedule(seed: int, mean_s: float, count: int) -> tuple:
-    """``count`` kill times (s after launch), gaps drawn uniformly in [0.75, 1.25] x ``mean_s``."""
+    pattern = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception): .+")
+    try:
+        with open(log, encoding="utf-8", errors="replace") as f:
+            hits = [line.strip() for line in f if pattern.match(line)]
+    except FileNotFoundError:
+        return None
+    return hits[-1][:300] if hits else None
+
+
+def kill_schedule(seed: int, mean_s: float, count: int | None = None,
+                  until_s: float | None = None) -> tuple:
+    """Kill times (s after launch), gaps drawn uniformly in [0.75, 1.25] x ``mean_s``: ``count``
+    of them, or as many as fall before ``until_s`` (a run's timeout: killing goes on until the
+    run ends, so the number of kills follows from its length, not from a fixed count)."""
     import random
 
+    if (count is None) == (until_s is None):
+        raise ValueError("kill_schedule: give exactly one of count and until_s")
     rng = random.Random(seed)
     t, out = 0.0, []
-    for _ in range(count):
+    while True:
         t += rng.uniform(0.75 * mean_s, 1.25 * mean_s)
+        if (count is not None and len(out) >= count) or (until_s is not None and t > until_s):
+            return tuple(out)
         out.append(round(t, 2))
-    return tuple(out)

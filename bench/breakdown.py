@@ -81,6 +81,23 @@ def hang_death(events: list[dict], attempt: int) -> float | None:
     return hang["ts"] - hang["last_heartbeat_age_s"]
 
 
+def injected_kill(events: list[dict], attempt: int) -> float | None:
+    """When ``attempt`` SIGKILLed itself for ``--fault kill@...``: its ``fault_injected`` event,
+    journaled just before the signal (the last heartbeat would be up to a beat early)."""
+    return next((e["ts"] for e in events if e["event"] == "fault_injected"
+                 and e.get("attempt") == attempt and str(e.get("fault", "")).startswith("kill@")),
+                None)
+
+
+def recovery_labels(events: list[dict], attempt: int) -> dict:
+    """What ``attempt`` died of (the supervisor's kind) and which path the next attempt took
+    (``warm``: a promoted standby, ``cold``: a new process), as the journal says."""
+    idx = _index(events)
+    ended = idx.get(("attempt_ended", attempt)) or {}
+    started = idx.get(("attempt_started", attempt + 1)) or {}
+    return {"kind": ended.get("kind"), "path": started.get("path")}
+
+
 def orchestrator_startup(events: list[dict], launched: float, attempt: int = 1) -> dict:
     """A cold start: from launching ``orchestrator run`` to the first step of ``attempt``."""
     pts = _worker_points(_index(events), attempt)
@@ -145,6 +162,14 @@ def heartbeat_progress(beat: dict | None, attempt: int, steps_per_epoch: int) ->
     if not beat or beat.get("attempt") != attempt:
         return None
     return int(beat.get("epoch", 0)) * steps_per_epoch + int(beat.get("batch", 0))
+
+
+def baseline_failed_alone(lines: list[dict], kills: list[dict]) -> int:
+    """Processes of the plain script that ended without finishing and were not killed by the
+    bench: each one a restart of the shell loop caused by the script failing on its own."""
+    killed = {k["pid"] for k in kills}
+    return sum(pid not in killed and not any(e["event"] == "end" for e in evs)
+               for pid, evs in _by_pid(lines))
 
 
 def steps_redone(kills: list[dict]) -> int:

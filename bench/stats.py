@@ -44,6 +44,11 @@ def fmt_pct(v: float | None) -> str:
     return "-" if v is None else f"{100 * v:.1f} %"
 
 
+def fmt_yes(v: bool | None) -> str:
+    """A check's cell: yes, a bold no (it must stand out), or '-' when not checked."""
+    return {True: "yes", False: "**no**", None: "-"}[v]
+
+
 def fmt_median(values: Sequence[float | None], digits: int = 2) -> str:
     """'median (min-max, n=k)' of the measured values, or '-'."""
     m, r = median(values), spread(values)

@@ -9,7 +9,7 @@ import pytest
 from conftest import ROOT
 
 sys.path.insert(0, ROOT)
-from bench import arms, breakdown, report, stats  # noqa: E402
+from bench import arms, breakdown, report, stats, targets  # noqa: E402
 from orchestrator.ops import timeline  # noqa: E402
 
 FIXTURES = os.path.join(ROOT, "tests", "fixtures", "bench")
@@ -100,6 +100,9 @@ def test_shell_loop_recovery_and_progress_from_the_baseline_lines(baseline_lines
     assert breakdown.baseline_progress(at_kill, 21, 10) == (17, 10)
     assert breakdown.baseline_startup(baseline_lines, launched=2000.0)["total"] == pytest.approx(4.0)
     assert breakdown.baseline_fingerprint(baseline_lines) == "cc"
+    # pid 21 was killed, pid 22 finished: none failed on its own; unkilled, 21 did
+    assert breakdown.baseline_failed_alone(baseline_lines, [{"pid": 21}]) == 0
+    assert breakdown.baseline_failed_alone(baseline_lines, []) == 1
     # the same rule for the plain script: first step to the last saved epoch, per process
     assert breakdown.baseline_useful(baseline_lines) == pytest.approx(1.0 + 2.0)
 
@@ -116,6 +119,16 @@ def test_kill_schedule_is_seeded_and_spaced():
     assert a == arms.kill_schedule(7, 20.0, 4) != arms.kill_schedule(8, 20.0, 4)
     gaps = [t - s for s, t in zip((0.0,) + a, a)]
     assert all(15.0 <= g <= 25.0 for g in gaps)
+
+
+def test_kill_schedule_until_a_time_keeps_killing_to_the_end_of_the_run():
+    """The goodput run is killed every ~20 s until it ends: the schedule covers its timeout,
+    so the number of kills follows from the run's length."""
+    long = arms.kill_schedule(7, 20.0, until_s=400.0)
+    assert long[:4] == arms.kill_schedule(7, 20.0, 4)  # the same draws, the same times
+    assert long[-1] <= 400.0 < long[-1] + 25.0 and len(long) >= 400.0 / 25.0
+    with pytest.raises(ValueError, match="exactly one"):
+        arms.kill_schedule(7, 20.0, 4, until_s=100.0)
 
 
 def test_kill_plan_on_schedule_or_after_a_checkpoint():
@@ -137,16 +150,21 @@ def test_summary_and_markdown_of_recorded_results():
     o = results["overhead"]["digits"]
     assert s["overhead"]["digits"]["wall_ratio_vs_backup"] == pytest.approx(
         o["orchestrator"][0]["wall_s"] / o["keras_fit_backup"][0]["wall_s"])
-    run = results["goodput"]["orchestrator"][0]  # one repetition: its own useful / wall
-    assert s["goodput"]["orchestrator"]["goodput"] == pytest.approx(
+    run = results["goodput"]["arms"]["standby_auto"][0]  # one repetition: its useful / wall
+    assert s["goodput"]["arms"]["standby_auto"]["goodput"] == pytest.approx(
         run["useful_s"] / run["wall_s"])
-    assert s["recovery"]["digits/kill"]["n"] == 1
-    hang = s["recovery"]["digits/hang"]  # detected once the heartbeat was silent hang_timeout
+    assert s["recovery"]["digits/kill, standby auto"]["n"] == 1
+    # detected once the heartbeat was silent hang_timeout
+    hang = s["recovery"]["digits/hang, standby auto"]
     assert hang["detected"] == pytest.approx(results["config"]["hang_timeout_s"], abs=1.0)
-    assert s["largest_recovery_cost"]["phase"] in breakdown.POINTS
+    assert s["faults"]["hang/auto"]["paths"] == ["warm"]
+    assert s["largest_recovery_cost"]["auto"]["phase"] in breakdown.POINTS
+    assert len(s["targets"]) == 10
     results["summary"] = s
     md = report.markdown(results)
-    assert "### 1. Overhead with no faults" in md
+    assert "### Issue #12 targets" in md and "### 1. Overhead with no faults" in md
+    assert "### 3. Goodput under a seeded SIGKILL schedule" in md
+    assert "| raise | auto | raise=storage@step=5000 | 1 |" in md
     digits_row = next(line for line in md.splitlines() if line.startswith("| digits |"))
     assert stats.fmt_ratio(s["overhead"]["digits"]["wall_ratio_vs_backup"]) in digits_row
 
@@ -218,3 +236,120 @@ def test_a_partial_run_summarises_the_parts_it_ran():
     assert s["goodput"] == {} and s["recovery"] == {}
     results["summary"] = s
     assert "### 3. Goodput" not in report.markdown(results)
+
+
+def test_a_self_inflicted_kill_dies_at_its_fault_event_and_the_journal_names_kind_and_path(
+        journal):
+    """``--fault kill@step=N``: death = the ``fault_injected`` event journaled before the
+    signal; the recovery carries what the attempt died of and how the next one started."""
+    ev = [dict(e) for e in journal]
+    at = next(i for i, e in enumerate(ev) if e["event"] == "attempt_ended")
+    ev.insert(at, {"ts": 1005.2, "event": "fault_injected", "source": "worker", "attempt": 1,
+                   "fault": "kill@step=12", "step": 12})
+    ev[at + 1]["kind"] = "killed"
+    next(e for e in ev if e["event"] == "attempt_started" and e["attempt"] == 2)["path"] = "warm"
+    ev.insert(-3, {"ts": 1011.0, "event": "fault_injected", "source": "worker", "attempt": 2,
+                   "fault": "raise=storage@step=30", "step": 30})  # not a kill: no such death
+    assert breakdown.injected_kill(ev, 1) == 1005.2
+    assert breakdown.injected_kill(ev, 2) is None
+    assert breakdown.injected_kill(journal, 1) is None
+    assert breakdown.recovery_labels(ev, 1) == {"kind": "killed", "path": "warm"}
+    assert breakdown.recovery_labels(ev, 2) == {"kind": None, "path": None}
+
+
+def _orch_run(cold, recoveries, rc=0, fingerprint="w", wall=100.0, useful=80.0, kills=()):
+    return {"rc": rc, "wall_s": wall, "useful_s": useful, "startup": {"total": cold},
+            "fingerprint": fingerprint, "kills": list(kills),
+            "recovery_paths": [p for _, _, p in recoveries],
+            "failures": [{"kind": k} for k, _, _ in recoveries],
+            "recoveries": [{"kind": k, "total": t, "path": p} for k, t, p in recoveries],
+            "standby_rss_mb": [600.0], "worker_peak_rss_mb": 700.0}
+
+
+def test_fault_recoveries_against_each_run_s_own_cold_start():
+    rec = {"faults": {"kill": "kill@step=10", "raise": "raise=storage@step=20",
+                      "hang": "hang@step=30"},
+           "kinds": {"kill": "killed", "raise": "storage", "hang": "hang"},
+           "runs": {"auto": [_orch_run(5.0, [("killed", 0.5, "warm"), ("storage", 1.5, "warm"),
+                                             ("hang", 7.0, "warm")]),
+                             _orch_run(10.0, [("killed", 2.0, "warm"), ("storage", 4.0, "cold"),
+                                              ("hang", 10.0, "warm")])],
+                    "off": [_orch_run(5.0, [("killed", 5.0, "cold")])]}}
+    f = targets.fault_recoveries(rec, hang_timeout_s=6.0)
+    kill = f["kill/auto"]  # ratios 0.1 and 0.2: each against its own run's cold start
+    assert kill["ratio"] == pytest.approx(0.15) and kill["ratio_spread"] == (0.1, 0.2)
+    assert kill["passed"] and kill["all_warm"] and kill["spec"] == "kill@step=10"
+    raised = f["raise/auto"]  # 0.3 and 0.4: the median passes, one recovery was cold
+    assert raised["ratio"] == pytest.approx(0.35) and raised["passed"]
+    assert not raised["all_warm"] and raised["paths"] == ["warm", "cold"]
+    hang = f["hang/auto"]  # (7 - 6) / 5 = 0.2 and (10 - 6) / 10 = 0.4
+    assert hang["ratio"] == pytest.approx(0.3) and hang["passed"]
+    assert f["kill/off"]["ratio"] == 1.0 and not f["kill/off"]["passed"]
+    assert f["raise/off"]["n"] == 0 and f["raise/off"]["passed"] is None
+
+
+def test_goodput_summary_counts_kills_warm_and_cold_and_checks_the_weights():
+    auto = _orch_run(8.0, [("killed", 0.5, "warm"), ("killed", 8.0, "cold"),
+                           ("killed", 0.7, "warm")], wall=160.0, useful=128.0,
+                     kills=[{"reached": 30, "saved": 24}])
+    off = _orch_run(8.0, [("killed", 8.0, "cold")] * 2, wall=200.0, useful=120.0,
+                    fingerprint="w")
+    loop = {"rc": 0, "wall_s": 210.0, "useful_s": 105.0, "fingerprint": "y",
+            "kills": [{"reached": 5, "saved": 0}] * 3, "recoveries": [{"total": 9.0}] * 3}
+    g = {"schedule_s": (18.0, 39.5), "reference": {},
+         "arms": {"standby_auto": [auto], "standby_off": [off], "restart_loop": [loop]}}
+    s = targets.goodput_summary(g)
+    a = s["arms"]["standby_auto"]
+    assert a["goodput"] == pytest.approx(0.8) and a["kills"] == 3
+    assert (a["warm"], a["cold"]) == (2, 1) and a["steps_redone"] == 6
+    assert a["kill_to_first_step_s"] == 0.7 and a["kill_ratio"] == pytest.approx(0.7 / 8.0, abs=1e-3)
+    assert a["fingerprint_equal"] == [None] and s["orchestrator_arms_agree"] is True
+    lp = s["arms"]["restart_loop"]
+    assert lp["kills"] == 3 and lp["warm"] is None and lp["goodput"] == pytest.approx(0.5)
+    g["reference"] = {"orchestrator": {"rc": 0, "fingerprint": "w"},
+                      "keras_fit_backup": {"rc": 0, "fingerprint": "y"}}
+    s = targets.goodput_summary(g)
+    assert s["arms"]["standby_off"]["fingerprint_equal"] == [True]
+    assert s["arms"]["restart_loop"]["fingerprint_equal"] == [True]  # against fit + B&R's
+    g["reference"]["keras_fit_backup"]["fingerprint"] = "z"
+    assert targets.goodput_summary(g)["arms"]["restart_loop"]["fingerprint_equal"] == [False]
+    off["fingerprint"] = "v"
+    assert targets.goodput_summary(g)["orchestrator_arms_agree"] is False
+
+
+def test_every_target_is_stated_with_its_figure_and_verdict():
+    recovery = {"kinds": {"kill": "killed", "raise": "storage", "hang": "hang"}, "faults": {},
+                "runs": {"auto": [_orch_run(5.0, [("killed", 0.5, "warm"),
+                                                 ("storage", 2.5, "warm"),
+                                                 ("hang", 7.0, "cold")])]}}
+    s = {"faults": targets.fault_recoveries(recovery, 6.0),
+         "goodput": targets.goodput_summary(
+             {"schedule_s": (20.0,), "arms": {"standby_auto": [_orch_run(
+                 8.0, [("killed", 0.4, "warm")], wall=100.0, useful=74.0)]}}),
+         "overhead": {"synthetic": {"train_ratio_vs_backup": 1.01, "stall_ms": {
+             "orchestrator": {"median": 25.0, "spread": (2.0, 40.0), "n": 3}}}}}
+    rows = {r["what"]: r for r in targets.target_rows(s)}
+    assert rows["kill -> next first step, digits"]["passed"] is True
+    assert rows["raised error (storage) -> next first step"]["passed"] is False  # 0.5x
+    hang = rows["hang -> next first step"]
+    assert hang["passed"] is True and "cold path in 1" in hang["measured"]
+    assert rows["kill -> next first step, synthetic ResNet-20 (goodput run)"]["passed"]
+    auto = rows["goodput, orchestrator, standby: auto"]
+    assert auto["passed"] is False and auto["measured"].startswith("0.740")
+    assert rows["goodput, orchestrator, standby: off"]["measured"] == "not measured"
+    assert rows["fault-free training time vs fit + BackupAndRestore, synthetic"]["passed"]
+    assert rows["training-thread stall per checkpoint, ResNet-20, median"]["passed"] is False
+    md = "\n".join(targets.targets_markdown({"targets": list(rows.values())}))
+    assert "| goodput, orchestrator, standby: auto | >= 0.75 | 0.740" in md and "**FAIL**" in md
+
+
+def test_the_last_error_of_a_plain_script_s_log(tmp_path):
+    log = tmp_path / "out.log"
+    log.write_text("Epoch 1/80\nTraceback (most recent call last):\n  File x\n"
+                   "OSError: Unable to synchronously open file (bad object header version "
+                   "number)\n[loop] exit 1; restart 21 in 1.0s\nKilled\n")
+    assert arms.last_error(str(log)) == ("OSError: Unable to synchronously open file (bad "
+                                         "object header version number)")
+    log.write_text("Epoch 1/80\nall fine\n")
+    assert arms.last_error(str(log)) is None
+    assert arms.last_error(str(tmp_path / "absent.log")) is None
