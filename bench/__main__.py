@@ -24,6 +24,9 @@ ARMS = ("orchestrator", "keras_fit_backup", "keras_fit")
 # which the bench's orchestrator arms say explicitly) and in line, on the job the stall target
 # is about (ResNet-20).
 SYNC_ARM, SYNC_JOBS = "orchestrator_sync", ("synthetic",)
+# The orchestrator with ``standby: off`` beside the default (auto): what checkpointing alone
+# costs, apart from the standby's warm-up on the cores the worker trains on.
+NOSTANDBY_ARM = "orchestrator_standby_off"
 PARTS = ("overhead", "goodput", "recovery", "standby")
 # The standby section (kill -> first step, standby auto vs off) runs only when asked for: the
 # goodput and recovery sections now measure the same recoveries, side by side, on both jobs.
@@ -140,6 +143,9 @@ def prepare_jobs(cfg: Config, work: str) -> dict[str, str]:
             {"name": f"faults_{mode}", "restarts": RESTARTS, "epochs": cfg.fault_epochs,
              "standby": mode, "hang_timeout": cfg.hang_timeout_s,
              "checkpoint": {"background": True, "every_steps": 225}})
+    for name in ("digits", "synthetic"):
+        jobs[f"{name}_nostandby"] = arms.prepare_job(
+            jobs[name], os.path.join(work, "jobs", f"{name}_nostandby"), {"standby": "off"})
     for name in SYNC_JOBS:
         jobs[f"{name}_sync"] = arms.prepare_job(jobs[name], os.path.join(work, "jobs",
                                                                         f"{name}_sync"),
@@ -148,7 +154,7 @@ def prepare_jobs(cfg: Config, work: str) -> dict[str, str]:
 
 
 def run_arm(arm: str, job: str, where: str, **kw) -> dict:
-    if arm in ("orchestrator", SYNC_ARM):
+    if arm in ("orchestrator", SYNC_ARM, NOSTANDBY_ARM):
         return arms.run_orchestrator(job, where, **kw)
     return arms.run_keras(job, where, backup=arm != "keras_fit", **kw)
 
@@ -156,11 +162,12 @@ def run_arm(arm: str, job: str, where: str, **kw) -> dict:
 def overhead(jobs: dict, cfg: Config, work: str) -> dict:
     out = {}
     for name in ("digits", "synthetic"):
-        arms_here = ARMS[:1] + ((SYNC_ARM,) if name in SYNC_JOBS else ()) + (
+        arms_here = ARMS[:1] + (NOSTANDBY_ARM,) + ((SYNC_ARM,) if name in SYNC_JOBS else ()) + (
             ARMS[1:] if name == "digits" or cfg.synth_plain_fit else ARMS[1:2])
         runs = {a: [] for a in arms_here}
         for rep, arm in interleaved(arms_here, cfg.reps):
-            job = jobs[f"{name}_sync"] if arm == SYNC_ARM else jobs[name]
+            job = jobs[{SYNC_ARM: f"{name}_sync", NOSTANDBY_ARM: f"{name}_nostandby"}.get(
+                arm, name)]
             r = run_arm(arm, job, os.path.join(work, "overhead", name, f"{arm}-{rep}"))
             runs[arm].append(r)
             say(f"overhead {name} rep {rep + 1}/{cfg.reps} {arm}: rc {r['rc']}, "

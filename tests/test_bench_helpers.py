@@ -159,7 +159,7 @@ def test_summary_and_markdown_of_recorded_results():
     assert hang["detected"] == pytest.approx(results["config"]["hang_timeout_s"], abs=1.0)
     assert s["faults"]["hang/auto"]["paths"] == ["warm"]
     assert s["largest_recovery_cost"]["auto"]["phase"] in breakdown.POINTS
-    assert len(s["targets"]) == 10
+    assert len(s["targets"]) == 12  # the fault-free ratio with the standby off and on, per job
     results["summary"] = s
     md = report.markdown(results)
     assert "### Issue #12 targets" in md and "### 1. Overhead with no faults" in md
@@ -326,7 +326,8 @@ def test_every_target_is_stated_with_its_figure_and_verdict():
          "goodput": targets.goodput_summary(
              {"schedule_s": (20.0,), "arms": {"standby_auto": [_orch_run(
                  8.0, [("killed", 0.4, "warm")], wall=100.0, useful=74.0)]}}),
-         "overhead": {"synthetic": {"train_ratio_vs_backup": 1.01, "stall_ms": {
+         "overhead": {"synthetic": {"train_ratio_vs_backup": 1.15,
+                                    "nostandby_train_ratio_vs_backup": 1.01, "stall_ms": {
              "orchestrator": {"median": 25.0, "spread": (2.0, 40.0), "n": 3}}}}}
     rows = {r["what"]: r for r in targets.target_rows(s)}
     assert rows["kill -> next first step, digits"]["passed"] is True
@@ -337,7 +338,11 @@ def test_every_target_is_stated_with_its_figure_and_verdict():
     auto = rows["goodput, orchestrator, standby: auto"]
     assert auto["passed"] is False and auto["measured"].startswith("0.740")
     assert rows["goodput, orchestrator, standby: off"]["measured"] == "not measured"
-    assert rows["fault-free training time vs fit + BackupAndRestore, synthetic"]["passed"]
+    assert rows["fault-free training time vs fit + BackupAndRestore, synthetic, "
+                "standby: off"]["passed"]
+    auto_cost = rows["fault-free training time vs fit + BackupAndRestore, synthetic, "
+                     "standby: auto (its warm-up beside the worker)"]
+    assert auto_cost["measured"] == "1.150x" and auto_cost["passed"] is None
     assert rows["training-thread stall per checkpoint, ResNet-20, median"]["passed"] is False
     md = "\n".join(targets.targets_markdown({"targets": list(rows.values())}))
     assert "| goodput, orchestrator, standby: auto | >= 0.75 | 0.740" in md and "**FAIL**" in md
