@@ -9,16 +9,10 @@ standby holds. The pipe closes when the supervisor dies or discards it: then it 
 
 It must not slow the worker it stands behind: it lowers the priority of every thread it has
 (Linux nice values are per thread, and TensorFlow's pools are created during the warm-up, so
-they inherit it) and of its session's *autogroup*, and puts both back when promoted; it also
-asks the kernel's OOM killer to take it first. The autogroup matters as much as the threads:
-with ``kernel.sched_autogroup_enabled`` (Linux's default) each session is scheduled as one
-group with an equal share, and the worker and the standby each run in a session of their own,
-so a thread's nice value counts only inside its session. Measured on 2 cores, ResNet-20 trained
-for 12.8 s alone, 16.0 s beside a standby warming up with nice 19 threads, 20.9 s beside a
-busy loop at nice 19 in another session. Putting the priorities back needs root or a raised
+they inherit it) and puts it back when promoted; it also asks the kernel's OOM killer to take
+it first. Putting it back needs root or a raised
 RLIMIT_NICE (Colab runs as root); where it cannot, the promoted worker says so in
-``worker_ready`` and trains at the lowered priority, which only matters beside other work
-(its own next standby included).
+``worker_ready`` and trains at the lowered priority, which only matters beside other work.
 """
 from __future__ import annotations
 
@@ -34,7 +28,6 @@ from orchestrator.core.rundir import EXIT_PREEMPTED
 STANDBY_NICE = 19
 STANDBY_OOM_SCORE_ADJ = 1000  # the kernel's OOM killer takes the standby before the worker
 OOM_SCORE_ADJ = "/proc/self/oom_score_adj"
-AUTOGROUP = "/proc/self/autogroup"  # the session's scheduling group (sched_autogroup)
 
 
 def _threads() -> list[int]:
@@ -57,47 +50,28 @@ def _oom_score_adj(value: int) -> None:
         f.write(str(value))
 
 
-def _autogroup_nice() -> int | None:
-    """This session's autogroup nice value (``/autogroup-25 nice 0``); None without them."""
+def lower_priority(nice: int = STANDBY_NICE) -> int:
+    """Every thread of this process to ``nice``, and this process first in line for the
+    kernel's OOM killer (it holds about as much memory as the worker, which must not be the
+    one to go); returns the nice value before."""
+    before = os.getpriority(os.PRIO_PROCESS, 0)
+    _set_priority(max(before, nice))
     try:
-        with open(AUTOGROUP, encoding="ascii") as f:
-            return int(f.read().split()[-1])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def _set_autogroup_nice(nice: int) -> None:
-    with open(AUTOGROUP, "w", encoding="ascii") as f:
-        f.write(str(nice))
-
-
-def lower_priority(nice: int = STANDBY_NICE) -> tuple[int, int | None]:
-    """Every thread of this process and this session's autogroup to ``nice``, and this process
-    first in line for the kernel's OOM killer (it holds about as much memory as the worker,
-    which must not be the one to go); returns the thread and autogroup nice values before."""
-    before = os.getpriority(os.PRIO_PROCESS, 0), _autogroup_nice()
-    _set_priority(max(before[0], nice))
-    if before[1] is not None:
-        _set_autogroup_nice(max(before[1], nice))  # raising it needs no privilege
-    try:
-        _oom_score_adj(STANDBY_OOM_SCORE_ADJ)  # nor does this
+        _oom_score_adj(STANDBY_OOM_SCORE_ADJ)  # raising it needs no privilege
     except OSError as exc:  # no procfs: only the priority is lowered
         print(f"[standby] oom_score_adj not raised ({exc})", flush=True)
     return before
 
 
-def restore_priority(before: tuple[int, int | None]) -> str | None:
-    """Every thread and the autogroup back to ``before``, the OOM score back to neutral; None
-    when done, else why not (it stays lowered)."""
+def restore_priority(before: int) -> str | None:
+    """Every thread back to ``before``, the OOM score back to neutral; None when done, else
+    why not (it stays lowered)."""
     try:
-        _set_priority(before[0])
-        if before[1] is not None:
-            _set_autogroup_nice(before[1])
+        _set_priority(before)
         _oom_score_adj(0)
     except PermissionError as exc:
-        return (f"stays at nice {os.getpriority(os.PRIO_PROCESS, 0)} (autogroup "
-                f"{_autogroup_nice()}) or OOM score {STANDBY_OOM_SCORE_ADJ}: {exc} "
-                f"(restoring them needs root)")
+        return (f"stays at nice {os.getpriority(os.PRIO_PROCESS, 0)} or OOM score "
+                f"{STANDBY_OOM_SCORE_ADJ}: {exc} (restoring them needs root)")
     except FileNotFoundError:  # no procfs: the priority was all there was to restore
         return None
     return None
