@@ -21,7 +21,7 @@ its own session: while it warms up it takes up to half the CPU from a CPU-bound 
 on 2 cores with ResNet-20 (bench, 2026-12-04): the worker trained 1.19x slower for the ~8 s the
 standby took to warm up, once per attempt. With the autogroup lowered to 19 as well, a standby
 never warmed up between kills 20 s apart (11 of 11 recoveries cold, goodput 0.60 against 0.885)
-and the worker still trained 1.15x slower beside it (the cost of any work on its cores there).
+and the worker still trained 1.18x slower beside it (the cost of any work on its cores there).
 A bounded, one-time slowdown that buys warm recoveries is the better trade; ``standby: off``
 is for runs where it is not.
 """
