@@ -3,7 +3,6 @@ worker cleanly, and running the cell again resumes. Fake workers (no TensorFlow)
 import os
 import re
 import queue
-import sys
 import time
 
 import pytest
