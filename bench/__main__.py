@@ -251,7 +251,7 @@ def goodput(jobs: dict, cfg: Config, work: str) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="scripts/bench", description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true",
-                   help="a smoke run (about 6 minutes): one repetition, small jobs")
+                   help="a smoke run (about 4 minutes): one repetition, small jobs")
     p.add_argument("--out", default=os.path.join(arms.ROOT, "bench"),
                    help="where results.md/json (quick.md/json with --quick) go")
     p.add_argument("--work", help="scratch directory for run dirs (default: a new temp dir)")

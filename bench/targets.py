@@ -25,7 +25,7 @@ ARM_LABELS = {"standby_auto": "orchestrator, standby: auto",
               "restart_loop": "Keras fit + BackupAndRestore in a shell loop"}
 
 
-def _ratio(total: float | None, cold: float | None, minus: float = 0.0) -> float | None:
+def _of_cold_start(total: float | None, cold: float | None, minus: float = 0.0) -> float | None:
     return None if total is None or not cold else round((total - minus) / cold, 3)
 
 
@@ -41,7 +41,7 @@ def fault_recoveries(recovery: dict, hang_timeout_s: float | None) -> dict:
             xs = [(x, (r.get("startup") or {}).get("total")) for r in runs
                   for x in r["recoveries"] if x.get("kind") == kind]
             totals = [x.get("total") for x, _ in xs]
-            ratios = [_ratio(x.get("total"), cold, minus) for x, cold in xs]
+            ratios = [_of_cold_start(x.get("total"), cold, minus) for x, cold in xs]
             paths = [x.get("path") for x, _ in xs]
             target = {"kill": KILL_RATIO, "raise": RAISE_RATIO, "hang": HANG_COLD_SHARE}[fault]
             ratio = median(ratios)  # as shown (3 decimals), so the verdict matches the cell
@@ -89,7 +89,7 @@ def goodput_summary(goodput: dict) -> dict:
             "cold": median(sum(p == "cold" for p in r.get("recovery_paths") or []) for r in runs)
             if arm != LOOP_ARM else None,
             "kill_to_first_step_s": median(x["total"] for k in kills for x in k),
-            "kill_ratio": median(_ratio(x["total"], (r.get("startup") or {}).get("total"))
+            "kill_ratio": median(_of_cold_start(x["total"], (r.get("startup") or {}).get("total"))
                                  for r, k in zip(runs, kills) for x in k),
             "cold_start_s": median((r.get("startup") or {}).get("total") for r in runs),
             "steps_redone": median(breakdown.steps_redone(r["kills"]) for r in runs),
