@@ -31,7 +31,7 @@ _FUNCTION_KEYS = ("model", "data", "learning_rate")  # and each item of callback
 
 def run(job: str | None = None, run_dir: str | None = None, raise_on_interrupt: bool = True,
         faults=(), force: bool = False, remount=None, workers: int | None = None,
-        engine: str | None = None, **job_keys) -> int:
+        engine: str | None = None, backend: str | None = None, **job_keys) -> int:
     """Start or resume the run of ``job`` (a job file), or of the job given by ``job_keys``
     (``model=function, data=function, name=..., epochs=..., batch_size=...`` and any other key
     of a job file); return 0 when it completed, non-zero otherwise.
@@ -41,7 +41,7 @@ def run(job: str | None = None, run_dir: str | None = None, raise_on_interrupt: 
     ``faults``: fault specs to inject (see orchestrator.recovery.faults), each fired once per run.
     ``force`` resumes even though the model, data, optimizer or carried code changed;
     ``remount(dir)`` is called when the durable checkpoint folder's mount is lost (overrides
-    checkpoint.remount).
+    checkpoint.remount). ``backend`` (auto | tensorflow | jax) overrides the job's.
     """
     if job is not None and job_keys:
         raise TypeError(f"orchestrator.run: give a job file or the job's keys, not both "
@@ -51,11 +51,12 @@ def run(job: str | None = None, run_dir: str | None = None, raise_on_interrupt: 
             raise TypeError("orchestrator.run: give a job file, or the job's keys "
                             "(model=function, data=function, name=..., epochs=..., "
                             "batch_size=...)")
-        given = {"workers": workers, "engine": engine}  # keys of the job: frozen with it
+        given = {"workers": workers, "engine": engine,  # keys of the job: frozen with it
+                 "backend": backend}
         spec, cell = keyword_job(dict(job_keys, **{k: v for k, v in given.items()
                                                    if v is not None}), run_dir)
     else:
-        spec, cell = load(job, run_dir=run_dir), None
+        spec, cell = load(job, run_dir=run_dir, backend=backend), None
         if workers is not None or engine is not None:  # --workers / --engine
             if workers is not None and workers < 1:
                 raise SpecError(job, None, "workers", f"expected at least 1 worker, got {workers}")

@@ -7,6 +7,7 @@ import sys
 
 from orchestrator.core.lock import LockedError
 from orchestrator.core.rundir import RunDirUnreachable
+from orchestrator.core.backends import BACKENDS
 from orchestrator.core.spec import ENGINES, SpecError
 from orchestrator.supervise.admission import IncompatibleResume
 from orchestrator.supervise.group import EngineUnavailable
@@ -26,7 +27,8 @@ def _cmd_run(args) -> int:
         print(f"orchestrator: {exc}", file=sys.stderr)
         return EXIT_USAGE
     return run(args.job, run_dir=args.run_dir, raise_on_interrupt=False, faults=faults,
-               force=args.force, workers=args.workers, engine=args.engine)
+               force=args.force, workers=args.workers, engine=args.engine,
+               backend=args.backend)
 
 
 def _cmd_diagnose(args) -> int:
@@ -103,6 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="start, or resume, the run of a job")
     r.add_argument("job", help="the job's YAML file")
     r.add_argument("--run-dir", help="override the job's run_dir")
+    r.add_argument("--backend", choices=BACKENDS,
+                   help="override the job's backend (Keras on TensorFlow or on JAX)")
     r.add_argument("--fault", action="append", default=[], metavar="SPEC",
                    help="inject a fault (repeatable), fired once per run: kill@step=N, "
                         "hang@step=N, raise=KIND@step=N, exit=CODE@step=N, "

@@ -281,8 +281,12 @@ def test_a_field_missing_from_the_job_file_takes_its_dataclass_default(write_job
     assert spec.restarts == RestartSpec() and spec.recovery == RecoverySpec()
     assert dataclasses.replace(spec.checkpoint, local_dir="") == CheckpointSpec()
     for f in dataclasses.fields(JobSpec):
-        if f.default is not dataclasses.MISSING and f.name not in ("run_dir", "job_path", "checkpoint"):
+        if f.default is not dataclasses.MISSING and f.name not in ("run_dir", "job_path", "checkpoint",
+                                                                   "backend"):
             assert getattr(spec, f.name) == f.default, f.name
+    # the backend's default, auto, is resolved as the job loads: a run never says "auto"
+    assert JobSpec.__dataclass_fields__["backend"].default == "auto"
+    assert spec.backend in ("tensorflow", "jax")
 
 
 @pytest.mark.parametrize("value, mode", [("off", "off"), ("'off'", "off"), ("auto", "auto"),
@@ -298,3 +302,49 @@ def test_standby_mode_errors_name_the_key_and_the_modes(write_job):
     msg = str(e.value)
     assert msg.startswith(f"{path}:17: key 'standby'"), msg
     assert "expected one of auto, off, import_only, got True" in msg
+
+
+def _resolve(requested, env, tmp_path, have=("tensorflow", "jax")):
+    from orchestrator.core import backends
+
+    return backends.resolve(requested, env=env, home=str(tmp_path),
+                            is_installed=lambda name: name in have)
+
+
+def test_backend_auto_follows_keras_env_then_keras_json_then_tensorflow(tmp_path):
+    assert _resolve("auto", {"KERAS_BACKEND": "jax"}, tmp_path)[0] == "jax"
+    assert _resolve("auto", {}, tmp_path)[0] == "tensorflow"
+    (tmp_path / ".keras").mkdir()
+    (tmp_path / ".keras" / "keras.json").write_text('{"backend": "jax", "floatx": "float32"}')
+    backend, why = _resolve("auto", {}, tmp_path)
+    assert backend == "jax" and "keras.json" in why
+    assert _resolve("auto", {"KERAS_BACKEND": "tensorflow"}, tmp_path)[0] == "tensorflow"
+    assert _resolve("tensorflow", {"KERAS_BACKEND": "jax"}, tmp_path)[0] == "tensorflow"
+
+
+def test_backend_auto_takes_the_installed_one_on_a_tpu_vm_without_tensorflow(tmp_path):
+    backend, why = _resolve("auto", {}, tmp_path, have=("jax",))
+    assert backend == "jax" and "not installed" in why
+    # torch is Keras's choice there: we train on the other two only
+    assert _resolve("auto", {"KERAS_BACKEND": "torch"}, tmp_path, have=("jax",))[0] == "jax"
+    # neither installed: Keras's default, and the worker names the extra
+    assert _resolve("auto", {}, tmp_path, have=())[0] == "tensorflow"
+
+
+_MINIMAL = "name: b\nmodel: m:f\ndata: m:g\nepochs: 1\nbatch_size: 8\n"
+
+
+def test_the_backend_is_in_the_training_hash_unless_tensorflow(write_job):
+    job = write_job(_MINIMAL)
+    tf_spec = load(job, backend="tensorflow")
+    jax_spec = load(job, backend="jax")
+    assert "backend" not in tf_spec.training_relevant()  # a TensorFlow run keeps its old hash
+    assert jax_spec.training_relevant()["backend"] == "jax"
+    assert tf_spec.training_hash() != jax_spec.training_hash()
+
+
+def test_an_unknown_backend_names_the_key_and_the_choices(write_job):
+    job = write_job(_MINIMAL + "backend: torch\n")
+    with pytest.raises(SpecError) as e:
+        load(job)
+    assert "key 'backend'" in str(e.value) and "auto, tensorflow, jax" in str(e.value)

@@ -217,14 +217,19 @@ class JobSpec:
     recovery: RecoverySpec = RecoverySpec()
     tensorboard: TensorBoardSpec | None = None  # None: no TensorBoard logs (the default)
     code: CodeSpec | None = None     # the functions orchestrator.run(model=fn, ...) carried
+    backend: str = "auto"            # Keras's backend: auto | tensorflow | jax (core/backends.py)
 
     def training_relevant(self) -> dict:
         """What decides the trained model (not epochs, restarts, checkpoints or paths). The
         carried code's fingerprint only where there is one: the hash of a YAML job, and so its
-        resume, is what it was before code could be carried."""
+        resume, is what it was before code could be carried. The backend (resolved by
+        ``load``: never "auto" there) only when it is not TensorFlow, for the same reason: a
+        resume under another backend is refused (numerics, RNG and data order differ)."""
         code = {"code": self.code.fingerprint} if self.code else {}
+        # likewise the backend: a run that trained on TensorFlow keeps its hash
+        backend = {"backend": self.backend} if self.backend not in ("auto", "tensorflow") else {}
         return json.loads(json.dumps({
-            **code,
+            **code, **backend,
             "model": dataclasses.asdict(self.model),
             "data": dataclasses.asdict(self.data),
             "compile": dataclasses.asdict(self.compile) if self.compile else None,

@@ -15,6 +15,7 @@ from typing import Any
 
 import yaml
 
+from orchestrator.core.backends import BACKENDS, resolve as resolve_backend
 from orchestrator.core.kinds import ACTIONS, KINDS
 from orchestrator.core.spec import (_FACTORY_RE, BUILTIN_CALLBACKS, CELL_MODULE, ENGINES,
                                     SCHEDULES, STANDBY_MODES, STRATEGIES, CallbackSpec,
@@ -168,7 +169,7 @@ TOP_KEYS = {
     "checkpoint", "restarts", "heartbeat_interval", "deterministic", "learning_rate", "callbacks",
     "hang_timeout", "startup_timeout", "stop_grace", "probe_interval", "recovery",
     "preempt_grace", "standby", "lock_stale_after", "workers", "engine", "address",
-    "worker_resources", "tensorboard", "code",
+    "worker_resources", "tensorboard", "code", "backend",
 }
 RECOVERY_KEYS = {
     "ladders", "reinstall_tensorflow", "reinstall_max", "pip", "pip_args",
@@ -311,8 +312,8 @@ def _off_is_a_word(data: dict, key: str) -> dict:
         return dict(data, **{key: "off"})
     return data
 
-def load(path: str, run_dir: str | None = None) -> JobSpec:
-    """Read and validate a job file. ``run_dir`` overrides the file's ``run_dir``."""
+def load(path: str, run_dir: str | None = None, backend: str | None = None) -> JobSpec:
+    """Read and validate a job file. ``run_dir`` and ``backend`` override the file's."""
     path = os.fspath(path)
     try:
         with open(path, encoding="utf-8") as f:
@@ -323,15 +324,16 @@ def load(path: str, run_dir: str | None = None) -> JobSpec:
     if data is None:
         raise SpecError(path, None, None, "the job file is empty; expected a mapping with "
                         "name, model, data, epochs and batch_size")
-    return load_mapping(data, path, run_dir, lines)
+    return load_mapping(data, path, run_dir, lines, backend)
 
 
-def load_mapping(data, path: str, run_dir: str | None = None, lines=None) -> JobSpec:
+def load_mapping(data, path: str, run_dir: str | None = None, lines=None,
+                 backend: str | None = None) -> JobSpec:
     """Validate a job given as a mapping (what the YAML of a job file holds), every mistake at
     once, named by ``path`` (the file, or the call that gave the mapping) and the key."""
     r = _Reader(path, lines or {})
     try:
-        spec = _read(r, data, path, run_dir)
+        spec = _read(r, data, path, run_dir, backend)
     except SpecError as exc:
         raise SpecError.combined(r.errors + [exc]) from None
     except (TypeError, AttributeError, KeyError, ValueError):
@@ -343,7 +345,8 @@ def load_mapping(data, path: str, run_dir: str | None = None, lines=None) -> Job
     return spec
 
 
-def _read(r: _Reader, data: dict, path: str, run_dir: str | None) -> JobSpec:
+def _read(r: _Reader, data: dict, path: str, run_dir: str | None,
+          backend: str | None = None) -> JobSpec:
     r.mapping(data, "", TOP_KEYS, {"name", "model", "data", "epochs", "batch_size"})
 
     name = r.string(data, "name", "name")
@@ -424,7 +427,19 @@ def _read(r: _Reader, data: dict, path: str, run_dir: str | None) -> JobSpec:
         recovery=_recovery(r, data["recovery"]) if "recovery" in data else RecoverySpec(),
         tensorboard=_tensorboard(r, data.get("tensorboard", False), rd),
         code=_code(r, data),
+        backend=_backend(r, data, backend),
     )
+
+
+def _backend(r: _Reader, data: dict, override: str | None) -> str:
+    """``backend: auto | tensorflow | jax``, resolved here (core/backends.py: from the
+    environment and what is installed, importing nothing), so that the spec, its training hash
+    and the run say which backend trains, never "auto"."""
+    if override is not None and override not in BACKENDS:
+        r.note("backend", f"expected one of {', '.join(BACKENDS)}, got {override!r}")
+        override = None
+    requested = override or r.string(data, "backend", "backend", _JOB["backend"], BACKENDS)
+    return resolve_backend(requested)[0]
 
 
 def _code(r: _Reader, data: dict) -> CodeSpec | None:

@@ -40,6 +40,10 @@ def admit(spec: JobSpec, rd: RunDir, force: bool, say) -> Admission:
     before, now = info.get("training") or {}, spec.training_relevant()
     changed = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k))
     what = ", ".join(changed) if before else "model, data, compile, batch_size or seed"
+    if "backend" in changed:  # the one change worth naming both sides of
+        what += (f" (the run trained on {before.get('backend', 'tensorflow')}, this one would "
+                 f"train on {now.get('backend', 'tensorflow')}: numerics, random streams and "
+                 f"the data order differ)")
     if not force:
         raise IncompatibleResume(
             f"{spec.job_path}: cannot resume the run in {rd.root}: {what} changed "
@@ -62,12 +66,13 @@ def record(spec: JobSpec, rd: RunDir, journal: Journal, admission: Admission,
         write_json_atomic(rd.run_info, {"name": spec.name, "created": time.time(),
                                         "job_path": spec.job_path,
                                         "training_hash": spec.training_hash(),
-                                        "training": spec.training_relevant()})
+                                        "training": spec.training_relevant(),
+                                        "backend": spec.backend})
     elif admission.forced is not None:
         journal.append(Event.RESUME_FORCED, **admission.forced)
         write_json_atomic(rd.run_info, dict(
             info, job_path=spec.job_path, training_hash=spec.training_hash(),
-            training=spec.training_relevant(),
+            training=spec.training_relevant(), backend=spec.backend,
             previous_training_hashes=info.get("previous_training_hashes", [])
             + [info.get("training_hash")]))
 

@@ -42,6 +42,7 @@ from orchestrator.core.journal import Journal
 from orchestrator.core.lock import Lease, LockLost, RunLock
 from orchestrator.core.rundir import (ENV_RESTORE_STEP, EXIT_LOCK_LOST, EXIT_STOPPED, RunDir,
                                       RunDirUnreachable)
+from orchestrator.core.backends import ENV_BACKEND, KERAS_BACKEND_ENV
 from orchestrator.core.spec import JobSpec
 from orchestrator.recovery import faults as faults_mod
 from orchestrator.recovery.actions import Remedies
@@ -427,7 +428,12 @@ class Supervisor:
         return env
 
     def _base_env(self) -> dict:
-        return dict(self.env if self.env is not None else os.environ)
+        """The environment of every process the supervisor starts; the run's backend in it, so
+        that the worker, the standby and the exporter train and build on the one frozen with
+        the run (``KERAS_BACKEND`` for the job's own imports of Keras too)."""
+        env = dict(self.env if self.env is not None else os.environ)
+        env[ENV_BACKEND] = env[KERAS_BACKEND_ENV] = self.spec.backend
+        return env
 
     def _sleep(self, seconds: float) -> None:
         if self._stop.wait(seconds):

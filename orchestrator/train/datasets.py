@@ -9,6 +9,7 @@ middle of an epoch skips the batches that epoch already trained on.
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,10 +26,15 @@ class JobData:
     num_examples: int
 
 
+def is_tf_dataset(obj) -> bool:
+    """A ``tf.data.Dataset``, asked without importing TensorFlow (the JAX backend may have
+    none): an object of that class can only exist where TensorFlow was imported."""
+    tf = sys.modules.get("tensorflow")
+    return tf is not None and isinstance(obj, tf.data.Dataset)
+
+
 def normalise(result, where: str) -> JobData:
     """Accept ``{"train": ..., "validation": ...}``, ``(train, validation)`` or ``(x, y)``."""
-    import tensorflow as tf
-
     if isinstance(result, dict):
         unknown = set(result) - {"train", "validation"}
         if "train" not in result or unknown:
@@ -39,20 +45,20 @@ def normalise(result, where: str) -> JobData:
         train, val = result, None
     elif isinstance(result, (tuple, list)) and len(result) == 2:
         train, val = result
-    elif isinstance(result, tf.data.Dataset):
+    elif is_tf_dataset(result):
         train, val = result, None
     else:
         raise DataError(f"{where}: expected (x, y) arrays, (train, validation), a dict with "
                         f"'train'/'validation' or a tf.data.Dataset; got {type(result).__name__}")
     for name, part in (("train", train), ("validation", val)):
-        if part is None or isinstance(part, tf.data.Dataset):
+        if part is None or is_tf_dataset(part):
             continue
         if not (isinstance(part, (tuple, list)) and len(part) == 2):
             raise DataError(f"{where}: {name} data must be an (x, y) pair of arrays, "
                             f"got {type(part).__name__}")
         if len(part[0]) != len(part[1]):
             raise DataError(f"{where}: {name} x has {len(part[0])} rows but y has {len(part[1])}")
-    if isinstance(train, tf.data.Dataset):
+    if is_tf_dataset(train):
         n = int(train.cardinality())
         if n < 0:  # unknown or infinite: count once
             n = int(train.reduce(np.int64(0), lambda c, _: c + 1))
@@ -61,7 +67,7 @@ def normalise(result, where: str) -> JobData:
         n = len(train[0])
     if n == 0:
         raise DataError(f"{where}: the training data is empty")
-    if val is not None and not isinstance(val, tf.data.Dataset):
+    if val is not None and not is_tf_dataset(val):
         val = (np.asarray(val[0]), np.asarray(val[1]))
     return JobData(train, val, n)
 
@@ -117,10 +123,10 @@ def _in_memory(ds):
 
 
 def validation_dataset(data: JobData, global_batch: int, drop_remainder: bool):
-    import tensorflow as tf
-
     if data.validation is None:
         return None
+    import tensorflow as tf
+
     if isinstance(data.validation, tf.data.Dataset):
         return data.validation.batch(global_batch, drop_remainder)
     return _in_memory(tf.data.Dataset.from_tensor_slices(data.validation)
@@ -130,8 +136,6 @@ def validation_dataset(data: JobData, global_batch: int, drop_remainder: bool):
 def sample_batch(data: JobData, size: int):
     """A few training examples ``(x, y)``, to build the model's and the metrics' variables
     before training (a checkpoint can only be restored into variables that exist)."""
-    import tensorflow as tf
-
-    if isinstance(data.train, tf.data.Dataset):
+    if is_tf_dataset(data.train):
         return next(iter(data.train.batch(size)))
     return data.train[0][:size], data.train[1][:size]

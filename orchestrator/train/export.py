@@ -38,7 +38,7 @@ def export(run_dir: str, out: str | None = None) -> dict:
     info = read_json(rd.run_info)
     if not info:
         raise ExportError(f"{rd.root}: not a run directory (no run.json)")
-    spec = load(rd.job_copy, run_dir=rd.root)
+    spec = load(rd.job_copy, run_dir=rd.root, backend=info.get("backend"))
     spec = dataclasses.replace(spec, job_dir=os.path.dirname(info.get("job_path")
                                                              or rd.job_copy))
     latest = tiers.for_spec(spec).latest_valid(
@@ -48,7 +48,7 @@ def export(run_dir: str, out: str | None = None) -> dict:
 
     from orchestrator.train import datasets, state
 
-    jobcode.import_tensorflow()
+    jobcode.import_framework(spec)
     model = jobcode.resolve(spec, spec.model, "model")()
     jobcode.compile_model(model, spec)
     if not model.built:
@@ -80,12 +80,21 @@ def write(model, spec, checkpoint, out: str) -> dict:
     try:
         model.save(os.path.join(tmp, "model.keras"))
         model.save_weights(os.path.join(tmp, "model.weights.h5"))
-        model.export(os.path.join(tmp, "saved_model"), format="tf_saved_model", verbose=False)
+        from orchestrator.train import backends
+
+        why_not = backends.current().can_export_saved_model()
+        if why_not is None:
+            model.export(os.path.join(tmp, "saved_model"), format="tf_saved_model",
+                         verbose=False)
+        else:
+            print(f"[export] no saved_model/: {why_not}; model.keras and model.weights.h5 "
+                  f"are written", flush=True)
         facts = {
             "run": spec.name, "step": checkpoint.step, "epoch": checkpoint.epoch,
             "checkpoint": checkpoint.path, "weights_sha256": fp,
             "training_hash": spec.training_hash(), "exported_at": round(time.time(), 3),
-            "keras": keras.__version__,
+            "keras": keras.__version__, "backend": keras.backend.backend(),
+            "saved_model": why_not or "saved_model/",
             "inputs": [{"shape": list(t.shape), "dtype": str(t.dtype)} for t in model.inputs],
             "files": {n: {"sha256": sha256_file(os.path.join(tmp, n))}
                       for n in ("model.keras", "model.weights.h5")},
@@ -113,9 +122,10 @@ def main(argv=None) -> int:
     except (ExportError, SpecError, JobError) as exc:
         print(f"[export] {exc}", file=sys.stderr, flush=True)
         return EXIT_CONFIG
+    written = "model.keras, model.weights.h5" + (
+        ", saved_model/" if facts["saved_model"] == "saved_model/" else "")
     print(f"[export] epoch {facts['epoch']} (step {facts['step']}, weights sha256 "
-          f"{facts['weights_sha256']}) -> {facts['path']}: model.keras, model.weights.h5, "
-          f"saved_model/", flush=True)
+          f"{facts['weights_sha256']}) -> {facts['path']}: {written}", flush=True)
     return 0
 
 

@@ -26,9 +26,7 @@ from orchestrator.train.jobcode import JobError
 
 def check(spec) -> str:
     """Every job-code check in the worker's order; returns what was built, in words."""
-    jobcode.import_tensorflow()
-    import tensorflow as tf
-
+    backend = jobcode.import_framework(spec)
     if spec.tensorboard:
         from orchestrator.train import tensorboard
 
@@ -37,7 +35,7 @@ def check(spec) -> str:
     made = jobcode.factories(spec)
     jobcode.check_compile(spec)
     data = jobcode.load_data(spec)
-    model = jobcode.build_model(spec, tf.distribute.get_strategy(), data)
+    model = jobcode.build_model(spec, backend.placement(spec, None, False).strategy, data)
     jobcode.schedule(spec, model.optimizer)
     callbacks = jobcode.job_callbacks(spec)
     optimizer = type(model.optimizer).__name__
@@ -56,7 +54,7 @@ def main(argv=None) -> int:
     t0 = time.time()
     result: dict = {"ok": False, "key": None}
     try:
-        spec = load(args.job)
+        spec = load(args.job, backend=os.environ.get(ENV_BACKEND) or None)
         result.update(ok=True, detail=check(spec))
         code = 0
     except SpecError as exc:

@@ -39,18 +39,14 @@ class JobError(Exception):
         self.key = key
 
 
-def import_tensorflow() -> None:
-    """Import TensorFlow and Keras, or say in one line which extra to install."""
-    try:
-        import tensorflow as tf  # noqa: F401
-        import keras  # noqa: F401
-    except ModuleNotFoundError as exc:
-        if exc.name not in ("tensorflow", "keras"):
-            raise
-        raise JobError(
-            f"TensorFlow is not installed for {sys.executable}: install the extra "
-            f"`pip install 'orchestrator[cpu]'` (or '[tensorflow]' for GPU); on a Colab TPU "
-            f"runtime install the pinned tensorflow-tpu instead, never plain tensorflow") from None
+def import_framework(spec: JobSpec):
+    """The run's backend (train/backends), its framework imported, or a ``JobError`` that says
+    in one line which extra to install. ``KERAS_BACKEND`` is set before Keras is imported."""
+    from orchestrator.train import backends
+
+    backend = backends.for_name(spec.backend)
+    backend.import_framework()
+    return backend
 
 
 def _where(spec: JobSpec, key: str) -> str:
@@ -228,9 +224,9 @@ def compile_model(model, spec: JobSpec, checked: bool = False) -> None:
 
 
 def _shapes(t) -> str:
-    import tensorflow as tf
+    import keras
 
-    shapes = [tuple(getattr(x, "shape", ())) for x in tf.nest.flatten(t)]
+    shapes = [tuple(getattr(x, "shape", ())) for x in keras.tree.flatten(t)]
     return ", ".join(str(s) for s in shapes) if shapes else "none"
 
 
@@ -238,7 +234,7 @@ def first_step(spec: JobSpec, model, x, y):
     """The first step's forward pass and loss on a sample batch, before training: a model and
     data that do not fit fail here, named by both keys, instead of in ``fit`` as ``unknown``.
     Runs with ``training=False``: no RNG drawn, no statistics moved, nothing the resume sees."""
-    import tensorflow as tf
+    from orchestrator.train import backends
 
     try:
         y_pred = model(x, training=False)
@@ -246,7 +242,7 @@ def first_step(spec: JobSpec, model, x, y):
             model.compute_loss(x, y, y_pred, training=False)
         else:  # a model of the job's that overrides compute_loss the Keras 3.0 way
             model.compute_loss(x, y, y_pred)
-    except (ValueError, tf.errors.InvalidArgumentError) as exc:
+    except backends.current().input_errors() as exc:
         # Keras wraps a layer's error in "Exception encountered when calling ..." and appends
         # "Arguments received by ...", whose tensor reprs say "shape": read the error itself.
         core = _ANSI.sub("", str(exc)).split("Arguments received by")[0]

@@ -97,16 +97,18 @@ def trace(prep) -> None:
     recovery goes cold, rather than train from a state a cold start would not have."""
     import numpy as np
 
-    from orchestrator.train import datasets, state
+    from orchestrator.train import state
 
     model = prep.model
     before = state.capture(model)
     print_before = state.state_fingerprint(model)
     rngs = random.getstate(), np.random.get_state()
-    ds = datasets.train_dataset(prep.data, prep.spec.seed, 0, 1, prep.global_batch,
-                                drop_remainder=prep.is_tpu)
-    val = prep.val_ds.take(1) if prep.val_ds is not None else None
-    model.fit(ds, validation_data=val, epochs=1, steps_per_epoch=1, verbose=0)
+    backend = prep.backend
+    ds = backend.train_data(prep.data, prep.spec.seed, 0, 1, prep.global_batch,
+                            prep.placement.drop_remainder)
+    val = backend.validation_sample(prep.val_ds, prep.global_batch)
+    model.fit(ds, validation_data=val, epochs=1, steps_per_epoch=1, verbose=0,
+              **backend.fit_options(prep.global_batch))
     with prep.strategy.scope():
         state.restore(model, before)
     model.reset_metrics()
@@ -140,13 +142,12 @@ def serve(spec, rd, attempt: int, mode: str, notice, t0: float) -> int:
     from orchestrator.core.journal import Journal
     from orchestrator.train import jobcode
     from orchestrator.train.preemption import Preempted
-    from orchestrator.train.worker import guarded, prepare, run
+    from orchestrator.train.worker import configure, guarded, prepare, run
 
     nice = lower_priority()
     prep = None
     try:
-        jobcode.import_tensorflow()
-        marks = {"tf_imported": round(time.time() - t0, 3)}
+        marks = configure(spec, t0)
         if mode == "warm":
             prep = prepare(spec, t0, marks)
             trace(prep)

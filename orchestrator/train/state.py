@@ -20,13 +20,25 @@ import threading
 import numpy as np
 
 from orchestrator.checkpoint.store import STATE_FILE, weights_fingerprint
+from orchestrator.train import backends
 
 
 class StateMismatch(Exception):
     """The checkpoint was written by a different model or optimizer than the job builds now."""
 
 
+def sync(model) -> None:
+    """Put the training state back into the Keras variables before they are read. During
+    ``fit`` the JAX trainer holds it outside them (``model._jax_state``) and empties them; the
+    trainer takes it from the variables again at its next step. Nothing to do on TensorFlow,
+    or outside ``fit``."""
+    jax_state_sync = getattr(model, "jax_state_sync", None)
+    if jax_state_sync is not None:
+        jax_state_sync()
+
+
 def _groups(model):
+    sync(model)
     return {"model": list(model.variables), "optimizer": list(model.optimizer.variables)}
 
 
@@ -48,6 +60,7 @@ def capture(model) -> dict[str, np.ndarray]:
 
 
 def capture_metrics(model) -> dict[str, np.ndarray]:
+    sync(model)
     return {f"metrics.{i:04d}": np.array(v.numpy(), copy=True)
             for i, v in enumerate(model.metrics_variables)}
 
@@ -126,12 +139,14 @@ class Snapshot:
         by_id = dict(zip(ids, self.keys))
         self.weight_keys = [by_id[id(w)] for w in self.model.weights]
         self.description = describe(self.model)
-        self._read = _compiled_reader(variables) if self.compiled else None
+        self._read = backends.current().reader(variables) if self.compiled else None
         return variables
 
     def warm(self) -> None:
         """Trace the compiled reader now (about 60 ms for ResNet-20), not in the first
         checkpoint's stall; the worker runs this in the writer's thread as training begins."""
+        if not backends.current().traced_reader:  # nothing to trace (JAX)
+            return
         with self._lock:
             self._layout()
             if self._read is not None:
@@ -141,7 +156,7 @@ class Snapshot:
         with self._lock:
             variables = self._layout()
             if self._read is not None:
-                values = [t.numpy() for t in self._read()]
+                values = self._read()
             else:
                 values = [v.numpy() for v in variables]
             return {k: np.array(a, copy=True) for k, a in zip(self.keys, values)}
@@ -154,17 +169,6 @@ class Snapshot:
                 weights_fingerprint(arrays[k] for k in sorted(self.keys)))
 
 
-def _compiled_reader(variables):
-    """One ``tf.function`` returning every variable's value; None for distributed variables."""
-    import tensorflow as tf
-
-    raw = [getattr(v, "value", v) for v in variables]
-    if any(isinstance(r, tf.distribute.DistributedValues) for r in raw) \
-            or tf.distribute.has_strategy():
-        return None
-    return tf.function(lambda: [tf.identity(r) for r in raw])
-
-
 def save_arrays(directory: str, arrays: dict[str, np.ndarray],
                 extra: dict[str, np.ndarray] | None = None) -> None:
     """``save`` from a snapshot (``Snapshot.take``), in the background writer's thread."""
@@ -172,6 +176,7 @@ def save_arrays(directory: str, arrays: dict[str, np.ndarray],
 
 
 def fingerprint(model) -> str:
+    sync(model)
     return weights_fingerprint(np.asarray(w.numpy()) for w in model.weights)
 
 

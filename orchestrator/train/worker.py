@@ -28,6 +28,7 @@ from orchestrator.core.osutil import write_json_atomic
 from orchestrator.core.rundir import (CPU_DEVICES_ENV, ENV_BATCH_SIZE, ENV_REINIT,
                                       ENV_RESTORE_STEP, ENV_STRATEGY, EXIT_CONFIG, EXIT_PREEMPTED,
                                       JOURNAL_FILE, RunDir)
+from orchestrator.core.backends import ENV_BACKEND
 from orchestrator.core.spec import JobSpec, SpecError, load
 from orchestrator.core.events import Event
 from orchestrator.train.preemption import Preempted, PreemptionNotice
@@ -78,50 +79,55 @@ class Prepared:
     job_callbacks: list
     val_ds: object
     rank: int = 0  # in a multi-worker group (train/multiworker.py); 0 alone
+    placement: object = None  # backends.Placement: plain (export here) and drop_remainder
+    backend: object = None    # train/backends: the framework under Keras
 
 
 def prepare(spec: JobSpec, t_start: float, marks: dict) -> Prepared:
     """Resolve the strategy, load the data, build and compile the model in its scope (every
     variable a checkpoint holds exists afterwards). Nothing here depends on the checkpoint or
     on the attempt number; ``marks['model_built']`` is set."""
-    from orchestrator.train.accelerators import gpu_memory_growth, split_cpu
+    from orchestrator.train import backends, datasets, multiworker
 
-    split_cpu(os.environ.get(CPU_DEVICES_ENV))  # before TensorFlow initialises its devices
-    if spec.standby != "off":  # a standby beside the worker needs GPU memory left to it
-        gpu_memory_growth()
-    import keras
-    import tensorflow as tf
-
-    from orchestrator.train import datasets, multiworker
-    from orchestrator.train.accelerators import resolve_strategy
-
+    backend = backends.current()
     group = multiworker.cluster()
-    keras.utils.set_random_seed(spec.seed)
-    if spec.deterministic:
-        tf.config.experimental.enable_op_determinism()
+    backend.seed(spec.seed, spec.deterministic)
     spec, reinitialise = apply_overrides(spec)
     if spec.tensorboard:
         from orchestrator.train import tensorboard
 
         tensorboard.require()  # before the model is built: one line naming the key and the extra
-    strategy, described = (multiworker.strategy(group) if group else
-                           resolve_strategy(spec.strategy, reinitialise=reinitialise))
-    replicas = strategy.num_replicas_in_sync
+    placement = backend.placement(spec, group, reinitialise)
+    strategy, described, replicas = placement.strategy, placement.described, placement.replicas
     global_batch = spec.batch_size * replicas
-    is_tpu = isinstance(strategy, tf.distribute.TPUStrategy)
+    is_tpu = placement.is_tpu
 
     data = jobcode.load_data(spec)
-    spe = datasets.steps_per_epoch(data.num_examples, global_batch, drop_remainder=is_tpu)
+    spe = datasets.steps_per_epoch(data.num_examples, global_batch,
+                                   drop_remainder=placement.drop_remainder)
 
     model = jobcode.build_model(spec, strategy, data)
     with strategy.scope():
         schedule = jobcode.schedule(spec, model.optimizer)
     job_callbacks = jobcode.job_callbacks(spec)
-    val_ds = datasets.validation_dataset(data, global_batch, drop_remainder=is_tpu)
+    val_ds = backend.validation_data(data, global_batch, placement.drop_remainder)
     marks["model_built"] = round(time.time() - t_start, 3)
     return Prepared(spec, reinitialise, strategy, described, replicas, global_batch, is_tpu,
                     data, spe, model, schedule, job_callbacks, val_ds,
-                    group.rank if group else 0)
+                    group.rank if group else 0, placement, backend)
+
+
+def configure(spec: JobSpec, t_start: float) -> dict:
+    """Import the run's framework with its devices set up first (what the framework reads when
+    it initialises them); returns the start-up marks so far."""
+    from orchestrator.train import backends
+
+    backend = backends.for_name(spec.backend)
+    # a standby beside the worker needs device memory left to it (GPU memory growth, no
+    # preallocation of 75 % of the GPU by JAX)
+    backend.configure(spec, os.environ.get(CPU_DEVICES_ENV), standby=spec.standby != "off")
+    jobcode.import_framework(spec)
+    return {"tf_imported": round(time.time() - t_start, 3)}
 
 
 def train(spec: JobSpec, rd: RunDir, attempt: int, progress, t_start: float,
@@ -148,9 +154,6 @@ def run(prep: Prepared, rd: RunDir, attempt: int, progress, t_start: float, mark
     promoted (journaled with ``worker_ready``, whose ``warm`` tells a recovery that found the
     model built and the step traced from a cold one); ``t_start`` is then the promotion, so
     ``startup_s`` is what the recovery waited for."""
-    import tensorflow as tf
-
-    from orchestrator.train import datasets
     from orchestrator.train import resume
     from orchestrator.train import state
     from orchestrator.train.callbacks import (CallbackStates, CheckpointCallback, FaultCallback, HeartbeatCallback,
@@ -158,7 +161,8 @@ def run(prep: Prepared, rd: RunDir, attempt: int, progress, t_start: float, mark
 
     spec, strategy, model = prep.spec, prep.strategy, prep.model
     described, replicas, global_batch = prep.described, prep.replicas, prep.global_batch
-    spe, data, is_tpu, schedule = prep.spe, prep.data, prep.is_tpu, prep.schedule
+    spe, data, schedule = prep.spe, prep.data, prep.schedule
+    backend, placement = prep.backend, prep.placement
     job_callbacks, val_ds, rank = prep.job_callbacks, prep.val_ds, prep.rank
     os.makedirs(rd.for_rank(rank), exist_ok=True)
     journal = Journal(os.path.join(rd.for_rank(rank), JOURNAL_FILE))
@@ -204,7 +208,7 @@ def run(prep: Prepared, rd: RunDir, attempt: int, progress, t_start: float, mark
     journal.append(Event.WORKER_READY, source="worker", attempt=attempt, strategy=described,
                    strategy_kind=described.split()[0].lower(), reinitialised=prep.reinitialise,
                    batch_size=spec.batch_size, replicas=replicas, global_batch=global_batch,
-                   steps_per_epoch=spe,
+                   steps_per_epoch=spe, backend=backend.name, versions=backend.versions(),
                    resumed_from_epoch=at.epoch, resumed_from_batch=at.batch,
                    resumed_from_step=at.step, deterministic=spec.deterministic,
                    restored_state_sha256=restored,
@@ -271,18 +275,18 @@ def run(prep: Prepared, rd: RunDir, attempt: int, progress, t_start: float, mark
         with notice.training():
             for begin, end, skip in at.segments(spec.epochs):
                 prog_cb.batch_offset = skip
-                train_ds = datasets.train_dataset(data, spec.seed, begin, end, global_batch,
-                                                  drop_remainder=is_tpu, skip_batches=skip)
+                train_ds = backend.train_data(data, spec.seed, begin, end, global_batch,
+                                              placement.drop_remainder, skip_batches=skip)
                 model.fit(train_ds, validation_data=val_ds, epochs=end, initial_epoch=begin,
                           steps_per_epoch=spe - skip if skip else spe, callbacks=[training],
-                          verbose=2)
+                          verbose=2, **backend.fit_options(global_batch))
                 if model.stop_training:
                     break
             training.finish()  # commits the last checkpoint and waits for its write
         failing = False
     finally:  # a failed attempt still finishes the write in flight: work the next one keeps
         ckpt_writer.close(failing=failing)
-    if strategy is tf.distribute.get_strategy():  # the default strategy: the plain CPU model
+    if placement.plain:  # one default device, no distribution: the plain CPU model
         _export_at_end(spec, rd, store, model, journal, heart, attempt, injector)
     return {"epochs": progress.epoch, "fingerprint": state.fingerprint(model)}
 
@@ -408,8 +412,7 @@ def guarded(rd: RunDir, attempt: int, progress, body) -> int:
 
 
 def _cold(spec: JobSpec, rd: RunDir, attempt: int, progress, t_start: float, notice) -> dict:
-    jobcode.import_tensorflow()
-    marks = {"tf_imported": round(time.time() - t_start, 3)}
+    marks = configure(spec, t_start)
     return train(spec, rd, attempt, progress, t_start, marks, notice)
 
 
@@ -427,7 +430,7 @@ def main(argv=None) -> int:
     register_stack_dump()
     _watch_parent()
     try:
-        spec = load(args.job, run_dir=args.run_dir)
+        spec = load(args.job, run_dir=args.run_dir, backend=os.environ.get(ENV_BACKEND) or None)
     except SpecError as exc:
         print(f"[worker] {exc}", file=sys.stderr)
         return EXIT_CONFIG

@@ -1,0 +1,71 @@
+"""The worker's one seam to the Keras backend it trains on: TensorFlow or JAX.
+
+Everything the worker, the standby, the exporter and the doctor's job check do that depends on
+the framework under Keras goes through a ``Backend``: importing it (and saying which extra is
+missing), setting devices up before the framework initialises them, seeding, placing the model
+(a distribution strategy, or JAX's ``keras.distribution``), the data pipeline, reading the
+state for a checkpoint, the error types a shape mismatch raises, and the export. The rest of
+the worker (callbacks, checkpoints, resume, heartbeat) is backend-independent Keras.
+
+``for_name`` is told the backend by the supervisor (``core/backends.py`` resolves it, and
+``ENV_BACKEND`` carries it); it sets ``KERAS_BACKEND`` before Keras is first imported, which is
+the only moment Keras reads it.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+
+from orchestrator.core import backends as names
+
+
+@dataclass
+class Placement:
+    """Where the model lives: ``strategy`` has ``scope()`` and ``num_replicas_in_sync`` (a
+    ``tf.distribute`` strategy, or JAX's stand-in for one); ``plain`` is one default device
+    and no distribution (the exporter process would build the same model: the worker may
+    export it itself)."""
+
+    strategy: object
+    described: str
+    replicas: int
+    is_tpu: bool
+    plain: bool
+    drop_remainder: bool
+
+
+class BackendUnavailable(Exception):
+    """The run's backend is not installed here; the message names what to install."""
+
+
+_current = None
+
+
+def for_name(name: str):
+    """The process's backend, from now on also ``current()``; sets ``KERAS_BACKEND`` (Keras
+    must not be imported yet, or must already be on this backend)."""
+    global _current
+    if name == names.AUTO:
+        name = names.resolve(name)[0]
+    os.environ[names.KERAS_BACKEND_ENV] = name
+    if name == names.JAX:
+        from orchestrator.train.backends.jax_backend import JaxBackend
+
+        _current = JaxBackend()
+    else:
+        from orchestrator.train.backends.tf_backend import TensorFlowBackend
+
+        _current = TensorFlowBackend()
+    return _current
+
+
+def current():
+    """The backend ``for_name`` chose in this process; else the one Keras is on (a test or a
+    tool that imported Keras itself)."""
+    if _current is not None:
+        return _current
+    keras = sys.modules.get("keras")
+    if keras is not None:
+        return for_name(keras.backend.backend())
+    return for_name(os.environ.get(names.KERAS_BACKEND_ENV) or names.AUTO)

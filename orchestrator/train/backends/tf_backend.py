@@ -1,0 +1,112 @@
+"""Keras on TensorFlow: what the worker did before it had a second backend, bit for bit.
+
+Strategies from ``tf.distribute`` (accelerators.py, multiworker.py), the data as ``tf.data``
+pipelines whose order is a function of (seed, epoch) (datasets.py), op determinism, and the
+state read by one compiled function (state.py's ``Snapshot``).
+"""
+from __future__ import annotations
+
+import sys
+
+from orchestrator.train.backends import Placement
+
+
+class TensorFlowBackend:
+    name = "tensorflow"
+    traced_reader = True  # Snapshot.warm traces the reader before the first checkpoint
+
+    def import_framework(self) -> None:
+        """Import TensorFlow and Keras, or say in one line which extra to install."""
+        from orchestrator.train.jobcode import JobError
+
+        try:
+            import tensorflow as tf  # noqa: F401
+            import keras  # noqa: F401
+        except ModuleNotFoundError as exc:
+            if exc.name not in ("tensorflow", "keras"):
+                raise
+            raise JobError(
+                f"TensorFlow is not installed for {sys.executable}: install the extra "
+                f"`pip install 'orchestrator[cpu]'` (or '[tensorflow]' for GPU); on a Colab TPU "
+                f"runtime train on JAX (`backend: jax`), which the image ships; never install "
+                f"plain tensorflow there") from None
+
+    def versions(self) -> dict:
+        import keras
+        import tensorflow as tf
+
+        return {"tensorflow": tf.__version__, "keras": keras.__version__}
+
+    def configure(self, spec, cpu_devices: str | None, standby: bool) -> None:
+        """Before TensorFlow initialises its devices: the CPU split (tests), and memory growth
+        when a standby shares the GPU."""
+        from orchestrator.train.accelerators import gpu_memory_growth, split_cpu
+
+        split_cpu(cpu_devices)
+        if standby:
+            gpu_memory_growth()
+
+    def seed(self, seed: int, deterministic: bool) -> None:
+        import keras
+        import tensorflow as tf
+
+        keras.utils.set_random_seed(seed)
+        if deterministic:
+            tf.config.experimental.enable_op_determinism()
+
+    def placement(self, spec, group, reinitialise: bool) -> Placement:
+        import tensorflow as tf
+
+        from orchestrator.train import multiworker
+        from orchestrator.train.accelerators import resolve_strategy
+
+        strategy, described = (multiworker.strategy(group) if group else
+                               resolve_strategy(spec.strategy, reinitialise=reinitialise))
+        is_tpu = isinstance(strategy, tf.distribute.TPUStrategy)
+        return Placement(strategy, described, strategy.num_replicas_in_sync, is_tpu,
+                         plain=strategy is tf.distribute.get_strategy(), drop_remainder=is_tpu)
+
+    def normalise(self, result, where: str):
+        from orchestrator.train import datasets
+
+        return datasets.normalise(result, where)
+
+    def train_data(self, data, seed: int, begin: int, end: int, global_batch: int,
+                   drop_remainder: bool, skip_batches: int = 0):
+        from orchestrator.train import datasets
+
+        return datasets.train_dataset(data, seed, begin, end, global_batch, drop_remainder,
+                                      skip_batches=skip_batches)
+
+    def validation_data(self, data, global_batch: int, drop_remainder: bool):
+        from orchestrator.train import datasets
+
+        return datasets.validation_dataset(data, global_batch, drop_remainder)
+
+    def fit_options(self, global_batch: int) -> dict:
+        return {}
+
+    def validation_sample(self, val, global_batch: int):
+        """One validation batch (the standby's traced step)."""
+        return val.take(1) if val is not None else None
+
+    def input_errors(self) -> tuple:
+        """What a model and data that do not fit raise in the first step's forward pass."""
+        import tensorflow as tf
+
+        return (ValueError, tf.errors.InvalidArgumentError)
+
+    def reader(self, variables):
+        """One ``tf.function`` returning every variable's value (one call instead of one per
+        variable); None for distributed variables, which are read one by one."""
+        import tensorflow as tf
+
+        raw = [getattr(v, "value", v) for v in variables]
+        if any(isinstance(r, tf.distribute.DistributedValues) for r in raw) \
+                or tf.distribute.has_strategy():
+            return None
+        fn = tf.function(lambda: [tf.identity(r) for r in raw])
+        return lambda: [t.numpy() for t in fn()]
+
+    def can_export_saved_model(self) -> str | None:
+        return None
