@@ -20,6 +20,18 @@ def _local_tier_in_pytest_tmp(tmp_path_factory, monkeypatch):
     monkeypatch.setattr(tempfile, "tempdir", None)
 
 
+# The Keras backends a guarantee is proven on: an end-to-end test marked ``@BOTH_BACKENDS``
+# runs once per backend, its job saying ``backend: <backend>`` (the ``backend`` fixture).
+BACKENDS = ("tensorflow", "jax")
+BOTH_BACKENDS = pytest.mark.parametrize("backend", BACKENDS)
+
+
+@pytest.fixture
+def backend():
+    """The job's backend where a test does not ask for both (``@BOTH_BACKENDS``)."""
+    return "tensorflow"
+
+
 @pytest.fixture
 def write_job(tmp_path):
     """Write a job file (YAML text, dedented) into tmp_path and return its path."""

@@ -12,7 +12,7 @@ import pytest
 from watchdog.events import FileSystemEventHandler
 from watchdog.observers import Observer
 
-from conftest import ROOT, live
+from conftest import BOTH_BACKENDS, ROOT, live
 from orchestrator.core import heartbeat
 from orchestrator.core.journal import Journal
 from orchestrator.core.osutil import pid_alive
@@ -50,10 +50,10 @@ def write_job_files(where):
 
 
 @pytest.fixture
-def digits_job(tmp_path):
+def digits_job(tmp_path, backend):
     write_job_files(tmp_path)
     p = tmp_path / "job.yaml"
-    p.write_text(DIGITS_JOB)
+    p.write_text(DIGITS_JOB + f"backend: {backend}\n")
     return str(p)
 
 
@@ -107,6 +107,7 @@ class _KillOnCommit(FileSystemEventHandler):
                 self.fired.set()
 
 
+@BOTH_BACKENDS
 def test_killed_runs_end_bit_identical_to_an_uninterrupted_one(digits_job, tmp_path):
     ref = _start(digits_job, tmp_path / "ref")
     out, _ = ref.communicate(timeout=300)

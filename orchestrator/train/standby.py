@@ -151,6 +151,7 @@ def serve(spec, rd, attempt: int, mode: str, notice, t0: float) -> int:
         if mode == "warm":
             prep = prepare(spec, t0, marks)
             trace(prep)
+            prep.backend.after_compile()
             marks["traced"] = round(time.time() - t0, 3)
         ready_at = time.time()
         Journal(rd.journal).append(Event.STANDBY_READY, source="worker", for_attempt=attempt,

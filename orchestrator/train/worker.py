@@ -154,6 +154,8 @@ def run(prep: Prepared, rd: RunDir, attempt: int, progress, t_start: float, mark
     promoted (journaled with ``worker_ready``, whose ``warm`` tells a recovery that found the
     model built and the step traced from a cold one); ``t_start`` is then the promotion, so
     ``startup_s`` is what the recovery waited for."""
+    import keras
+
     from orchestrator.train import resume
     from orchestrator.train import state
     from orchestrator.train.callbacks import (CallbackStates, CheckpointCallback, FaultCallback, HeartbeatCallback,
@@ -209,6 +211,7 @@ def run(prep: Prepared, rd: RunDir, attempt: int, progress, t_start: float, mark
                    strategy_kind=described.split()[0].lower(), reinitialised=prep.reinitialise,
                    batch_size=spec.batch_size, replicas=replicas, global_batch=global_batch,
                    steps_per_epoch=spe, backend=backend.name, versions=backend.versions(),
+                   **backend.facts(),
                    resumed_from_epoch=at.epoch, resumed_from_batch=at.batch,
                    resumed_from_step=at.step, deterministic=spec.deterministic,
                    restored_state_sha256=restored,
@@ -243,9 +246,12 @@ def run(prep: Prepared, rd: RunDir, attempt: int, progress, t_start: float, mark
     ckpt_writer = CheckpointWriter(  # a group writes in line: no rank skips alone
         background=spec.checkpoint.background and not _in_group(),
         journal=lambda event, **f: journal.append(event, source="worker", attempt=attempt, **f))
-    prog_cb = ProgressCallback(progress, on_first_step=lambda: journal.append(
-        Event.FIRST_STEP, source="worker", attempt=attempt, since_start_s=round(
-            time.time() - t_start, 3)))
+    def first_step():  # recovery time ends at the first step; the step is compiled by now
+        journal.append(Event.FIRST_STEP, source="worker", attempt=attempt,
+                       since_start_s=round(time.time() - t_start, 3))
+        backend.after_compile()
+
+    prog_cb = ProgressCallback(progress, on_first_step=first_step)
     inner = [prog_cb]
     if schedule is not None:
         inner.append(LearningRateCallback(schedule, skip_epoch=at.epoch if at.mid_epoch else None))
@@ -257,6 +263,8 @@ def run(prep: Prepared, rd: RunDir, attempt: int, progress, t_start: float, mark
                         f"the checkpoint has no metric state for epoch {at.epoch + 1}: its "
                         f"reported metrics cover batches {at.batch + 1}.. only"])),
         HeartbeatCallback(heart, progress),
+        keras.callbacks.LambdaCallback(  # the evaluation's executables too
+            on_epoch_end=lambda epoch, logs: backend.after_compile()),
     ]
     if spec.tensorboard:  # before the checkpoint: a step's points are flushed before it commits
         inner.append(tensorboard.TensorBoardCallback(spec.tensorboard.dir,

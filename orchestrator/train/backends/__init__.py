@@ -48,6 +48,8 @@ def for_name(name: str):
     global _current
     if name == names.AUTO:
         name = names.resolve(name)[0]
+    if _current is not None and _current.name == name:
+        return _current  # configured already (its devices, its compile cache)
     os.environ[names.KERAS_BACKEND_ENV] = name
     if name == names.JAX:
         from orchestrator.train.backends.jax_backend import JaxBackend

@@ -75,6 +75,7 @@ def array_batches(x, y, seed: int, begin: int, end: int, global_batch: int,
 
 class JaxBackend:
     name = "jax"
+    cache = None  # compile_cache.CompileCache, once configured for a run
     traced_reader = False  # Snapshot.warm traces the reader before the first checkpoint
 
     def import_framework(self) -> None:
@@ -94,6 +95,8 @@ class JaxBackend:
         if keras.backend.backend() != "jax":
             raise JobError(f"Keras was imported on the {keras.backend.backend()} backend before "
                            f"the worker could set KERAS_BACKEND=jax")
+        if self.cache is not None:
+            self.cache.enable()
 
     def versions(self) -> dict:
         import jax
@@ -114,6 +117,25 @@ class JaxBackend:
             os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
         if spec.deterministic:
             _add_xla_flags(*DETERMINISTIC_GPU_FLAGS)
+        from orchestrator.train.compile_cache import CompileCache
+
+        self.cache = CompileCache.for_spec(spec)
+        self._pulled = self.cache.pull()
+        self._entries_at_start = len([n for n in os.listdir(self.cache.local)
+                                      if not n.startswith(".")])
+
+    def after_compile(self) -> None:
+        """New executables were compiled (the first step, an epoch's evaluation): mirror the
+        cache's new entries to the run directory in the background."""
+        if self.cache is not None:
+            self.cache.push_soon()
+
+    def facts(self) -> dict:
+        """For ``worker_ready``: the compile cache this worker started with."""
+        if self.cache is None:
+            return {}
+        return {"compile_cache": {"dir": self.cache.local, "pulled": self._pulled,
+                                  "entries_at_start": self._entries_at_start}}
 
     def seed(self, seed: int, deterministic: bool) -> None:
         """``keras.utils.set_random_seed`` without its TensorFlow import: the global seed Keras

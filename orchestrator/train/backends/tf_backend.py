@@ -110,3 +110,9 @@ class TensorFlowBackend:
 
     def can_export_saved_model(self) -> str | None:
         return None
+
+    def after_compile(self) -> None:
+        """TensorFlow keeps no compile cache across processes: nothing to mirror."""
+
+    def facts(self) -> dict:
+        return {}

@@ -1,0 +1,107 @@
+"""JAX's persistent compile cache, kept in the local tier and mirrored to the run directory.
+
+Compiling is most of a JAX worker's cold start: measured on 2 CPU cores, the digits job
+reached its first step in 11-17 s without a cache and 5 s with a warm one (ResNet-20: 22-28 s
+and 4.4-5.8 s). Without the cache a standby was never ready before a kill 20 s apart. So every
+JAX worker compiles into ``<local tier>/../jax-cache`` (the fast local disk), and its new
+entries are copied to ``<run_dir>/jax-cache`` (a Drive folder on Colab) in the background
+after the first step and each epoch end: a recovery on this VM starts warm from the local
+copy, and a recycled VM, whose local disk is new, first pulls the run directory's copy.
+
+Entries are files named by a hash of everything that decides the executable (the computation,
+jax/jaxlib versions, the device), written once and never changed: a copy is a plain file copy
+under a temporary name renamed into place, and a stale entry is only a miss. A copy that fails
+(the run directory gone for a while) is said once and tried again at the next push; it never
+stops training.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import uuid
+
+CACHE_DIR = "jax-cache"
+
+
+def _copy_missing(src: str, dst: str) -> int:
+    """Copy the files of ``src`` that ``dst`` lacks; returns how many."""
+    try:
+        names = os.listdir(src)
+    except FileNotFoundError:
+        return 0
+    os.makedirs(dst, exist_ok=True)
+    have = set(os.listdir(dst))
+    n = 0
+    for name in names:
+        path = os.path.join(src, name)
+        if name in have or name.startswith(".tmp-") or not os.path.isfile(path):
+            continue
+        tmp = os.path.join(dst, f".tmp-{uuid.uuid4().hex[:8]}-{name}")
+        shutil.copyfile(path, tmp)
+        os.replace(tmp, os.path.join(dst, name))
+        n += 1
+    return n
+
+
+class CompileCache:
+    """The local cache folder JAX compiles into, and its mirror in the run directory."""
+
+    def __init__(self, local: str, durable: str):
+        self.local, self.durable = local, durable
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._said = False
+        self.pushed = 0
+
+    @classmethod
+    def for_spec(cls, spec) -> "CompileCache":
+        base = os.path.dirname(os.path.abspath(spec.checkpoint.local_dir))
+        return cls(os.path.join(base, CACHE_DIR), os.path.join(spec.run_dir, CACHE_DIR))
+
+    def pull(self) -> int:
+        """Before JAX compiles anything: the run directory's entries this disk lacks (a
+        recycled VM). Returns how many were copied."""
+        os.makedirs(self.local, exist_ok=True)
+        try:
+            return _copy_missing(self.durable, self.local)
+        except OSError as exc:
+            self._say(f"not pulled from {self.durable} ({exc}); compiling afresh")
+            return 0
+
+    def enable(self) -> None:
+        """Point JAX at the local folder, caching every executable (JAX's defaults skip those
+        compiled in under a second, which on a TPU are most of a small model's)."""
+        import jax
+
+        jax.config.update("jax_compilation_cache_dir", self.local)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+
+    def push_soon(self) -> None:
+        """Copy new entries to the run directory, in a background thread."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="compile-cache-push",
+                                            daemon=True)
+            self._thread.start()
+        self._wake.set()
+
+    def _loop(self) -> None:
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            self.push()
+
+    def push(self) -> int:
+        try:
+            n = _copy_missing(self.local, self.durable)
+        except OSError as exc:
+            self._say(f"not copied to {self.durable} yet ({exc}); tried again later")
+            return 0
+        self.pushed += n
+        return n
+
+    def _say(self, what: str) -> None:
+        if not self._said:
+            self._said = True
+            print(f"[worker] compile cache: {what}", flush=True)
