@@ -32,6 +32,14 @@ def backend():
     return "tensorflow"
 
 
+@pytest.fixture(autouse=True)
+def _keras_backend(backend, monkeypatch):
+    """Every process a test starts resolves ``backend: auto`` (the default) to the test's
+    backend through ``KERAS_BACKEND``, as a user switches it; and no test depends on what a
+    ``~/.keras/keras.json`` of this machine says."""
+    monkeypatch.setenv("KERAS_BACKEND", backend)
+
+
 @pytest.fixture
 def write_job(tmp_path):
     """Write a job file (YAML text, dedented) into tmp_path and return its path."""

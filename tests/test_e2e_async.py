@@ -10,24 +10,30 @@ import os
 
 import pytest
 
-from conftest import ROOT
+from conftest import BOTH_BACKENDS, ROOT
 from orchestrator.core.journal import Journal
 from test_e2e import DIGITS_JOB, EVERY_STEPS, _completed, _start, write_job_files
 
 pytestmark = pytest.mark.e2e
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """One uninterrupted run of the digits job, shared by the tests of this module."""
-    where = tmp_path_factory.mktemp("async-ref")
-    job = _job(where)
-    env = dict(os.environ, TMPDIR=str(where / "tmp"))
-    os.makedirs(env["TMPDIR"])
-    p = _start(job, where / "run", env=env)
-    out, _ = p.communicate(timeout=300)
-    assert p.returncode == 0, out
-    return Journal(str(where / "run" / "events.jsonl")).events()
+_REFERENCES: dict = {}
+
+
+@pytest.fixture
+def reference(tmp_path_factory, backend):
+    """One uninterrupted run of the digits job per backend, shared by the tests of this
+    module."""
+    if backend not in _REFERENCES:
+        where = tmp_path_factory.mktemp(f"async-ref-{backend}")
+        job = _job(where)
+        env = dict(os.environ, TMPDIR=str(where / "tmp"))
+        os.makedirs(env["TMPDIR"])
+        p = _start(job, where / "run", env=env)
+        out, _ = p.communicate(timeout=300)
+        assert p.returncode == 0, out
+        _REFERENCES[backend] = Journal(str(where / "run" / "events.jsonl")).events()
+    return _REFERENCES[backend]
 
 
 def _job(where):
@@ -60,6 +66,7 @@ def _same_training(events, ref_events):
         [(e["epoch"], e["metrics"]) for e in ref_epochs]
 
 
+@BOTH_BACKENDS
 def test_a_kill_during_a_background_write_keeps_the_previous_checkpoint_and_exact_weights(
         reference, tmp_path):
     # the 2nd commit (step 20, or 30 when the first write was still busy at 20) takes 1.5 s
@@ -81,6 +88,7 @@ def test_a_kill_during_a_background_write_keeps_the_previous_checkpoint_and_exac
     _same_training(events, reference)
 
 
+@BOTH_BACKENDS
 def test_enospc_in_the_background_writer_fails_the_attempt_as_storage(reference, tmp_path):
     events = _run_with_faults(tmp_path, "disk-full@checkpoint=2")
     fault = json.loads((tmp_path / "run" / "faults" / "disk-full_checkpoint_2.json").read_text())

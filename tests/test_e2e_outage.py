@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from conftest import ROOT
+from conftest import BOTH_BACKENDS, ROOT
 from orchestrator.checkpoint.store import CheckpointStore
 from orchestrator.core.journal import Journal
 from orchestrator.core.rundir import RunDir
@@ -38,6 +38,7 @@ def _run(job, run_dir):
                             stderr=subprocess.STDOUT, text=True)
 
 
+@BOTH_BACKENDS
 def test_the_run_directory_gone_for_6_s_mid_epoch_changes_nothing_in_the_weights(tmp_path):
     import shutil
 

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, live, wait_until
+from conftest import BOTH_BACKENDS, ROOT, live, wait_until
 from orchestrator.core import heartbeat
 from orchestrator.core.journal import Journal
 
@@ -116,6 +116,7 @@ def test_a_deterministic_bug_is_stopped_within_four_attempts(tmp_path):
     assert "ValueError" in failed["error"]["type"]
 
 
+@BOTH_BACKENDS
 def test_sigterm_mid_epoch_saves_that_step_and_the_run_resumes_there_bit_identical(tmp_path):
     job = _job(tmp_path, epochs=3)
     ref = subprocess.run([sys.executable, "-m", "orchestrator", "run", job, "--run-dir",

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, live, wait_until
+from conftest import BOTH_BACKENDS, ROOT, live, wait_until
 from orchestrator.core import heartbeat
 from orchestrator.core.journal import Journal
 
@@ -90,6 +90,7 @@ def _ev(events, name):
 SLOW_WRITE = "delay-checkpoint@checkpoint=2,for=90"
 
 
+@BOTH_BACKENDS
 def test_kills_mid_epoch_between_epochs_and_during_a_write_recover_warm_bit_identical(
         tmp_path):
     ref = _start(_job(tmp_path, "ref", "off"), tmp_path / "ref-run")

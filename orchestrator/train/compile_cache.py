@@ -22,6 +22,7 @@ import threading
 import uuid
 
 CACHE_DIR = "jax-cache"
+JAX_CACHE_ENV = "JAX_COMPILATION_CACHE_DIR"  # JAX's own setting, read as the local folder
 
 
 def _copy_missing(src: str, dst: str) -> int:
@@ -55,9 +56,13 @@ class CompileCache:
         self.pushed = 0
 
     @classmethod
-    def for_spec(cls, spec) -> "CompileCache":
+    def for_spec(cls, spec, env=None) -> "CompileCache":
+        """The local folder: ``JAX_COMPILATION_CACHE_DIR`` where the runtime or the user set
+        one (a cache shared by every run of this machine), else beside the local tier."""
+        env = os.environ if env is None else env
         base = os.path.dirname(os.path.abspath(spec.checkpoint.local_dir))
-        return cls(os.path.join(base, CACHE_DIR), os.path.join(spec.run_dir, CACHE_DIR))
+        local = env.get(JAX_CACHE_ENV) or os.path.join(base, CACHE_DIR)
+        return cls(local, os.path.join(spec.run_dir, CACHE_DIR))
 
     def pull(self) -> int:
         """Before JAX compiles anything: the run directory's entries this disk lacks (a

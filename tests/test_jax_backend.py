@@ -1,0 +1,123 @@
+"""The JAX backend's own pieces: the data order, the compile cache, and (in a JAX process with
+TensorFlow blocked) the state read mid-``fit`` and the seeding."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from conftest import ROOT
+from orchestrator.train.backends.jax_backend import array_batches
+from orchestrator.train.compile_cache import CompileCache
+
+
+def _xy(n=10):
+    return np.arange(n * 2, dtype="float32").reshape(n, 2), np.arange(n)
+
+
+def _ids(batches):
+    return [list(y) for _, y in batches]
+
+
+def test_each_epoch_s_order_is_a_function_of_the_seed_and_the_epoch_alone():
+    x, y = _xy()
+    run = _ids(array_batches(x, y, seed=3, begin=0, end=3, global_batch=4, drop_remainder=False))
+    assert run == _ids(array_batches(x, y, 3, 0, 3, 4, False))  # another process, same order
+    assert len(run) == 9 and all(sorted(sum(run[i:i + 3], [])) == list(range(10))
+                                 for i in (0, 3, 6))  # every example once per epoch
+    assert run[:3] != run[3:6]  # reshuffled each epoch
+    assert run != _ids(array_batches(x, y, 4, 0, 3, 4, False))  # the seed decides
+    # resuming at epoch 1, batch 2 replays exactly the rest of the run
+    assert _ids(array_batches(x, y, 3, 1, 3, 4, False, skip_batches=2)) == run[5:]
+
+
+def test_drop_remainder_leaves_out_the_partial_batch_a_device_split_cannot_take():
+    x, y = _xy()
+    run = _ids(array_batches(x, y, 0, 0, 1, 4, drop_remainder=True))
+    assert [len(b) for b in run] == [4, 4]
+
+
+def test_the_compile_cache_is_pulled_on_a_new_disk_and_pushed_after_compiling(tmp_path):
+    local, durable = tmp_path / "local", tmp_path / "run" / "jax-cache"
+    durable.mkdir(parents=True)
+    (durable / "old-entry").write_bytes(b"exe")
+    cache = CompileCache(str(local), str(durable))
+    assert cache.pull() == 1 and (local / "old-entry").read_bytes() == b"exe"
+    (local / "new-entry").write_bytes(b"exe2")
+    (local / ".tmp-half-written").write_bytes(b"x")  # a copy in progress is never mirrored
+    assert cache.push() == 1
+    assert sorted(os.listdir(durable)) == ["new-entry", "old-entry"]
+    assert cache.push() == 0  # nothing new
+
+
+def test_a_run_directory_that_is_gone_costs_the_cache_nothing_but_a_line(tmp_path, capsys):
+    (tmp_path / "run").write_text("a file where the folder should be")
+    cache = CompileCache(str(tmp_path / "local"), str(tmp_path / "run" / "jax-cache"))
+    assert cache.pull() == 0
+    (tmp_path / "local" / "entry").write_bytes(b"exe")
+    assert cache.push() == 0 and cache.push() == 0
+    assert capsys.readouterr().out.count("compile cache:") == 1  # said once
+
+
+def test_jax_s_own_cache_setting_is_taken_as_the_local_folder(tmp_path):
+    class Spec:
+        run_dir = str(tmp_path / "run")
+
+        class checkpoint:
+            local_dir = str(tmp_path / "tier" / "checkpoints")
+
+    default = CompileCache.for_spec(Spec, env={})
+    assert default.local == str(tmp_path / "tier" / "jax-cache")
+    assert default.durable == str(tmp_path / "run" / "jax-cache")
+    mine = CompileCache.for_spec(Spec, env={"JAX_COMPILATION_CACHE_DIR": "/shared/cache"})
+    assert mine.local == "/shared/cache"
+
+
+# In a JAX process where `import tensorflow` fails: seed, build, and read the whole state in
+# the middle of fit, where the JAX trainer has emptied the Keras variables.
+_MID_FIT = textwrap.dedent("""
+    import sys
+    sys.modules["tensorflow"] = None  # any import of TensorFlow fails
+    import os
+    os.environ["KERAS_BACKEND"] = "jax"
+    import numpy as np
+    from orchestrator.train import backends, state
+    backend = backends.for_name("jax")
+    backend.import_framework()
+    backend.seed(1, True)
+    import keras
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8), keras.layers.Dropout(0.5),
+                              keras.layers.Dense(2)])
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    x = np.random.default_rng(0).random((64, 4), dtype=np.float32)
+    y = (x[:, 0] > 0.5).astype("int32")
+    taken = {}
+
+    class Take(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 2:
+                snap = state.Snapshot(model)
+                taken["snapshot"] = snap.take()
+                taken["metrics"] = state.capture_metrics(model)
+                taken["print"] = state.state_fingerprint(model)
+
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, callbacks=[Take()], verbose=0)
+    arrays = taken["snapshot"]
+    assert all(np.isfinite(a).all() for a in arrays.values()), "non-finite state"
+    assert any(k.startswith("optimizer.") for k in arrays)
+    # the optimizer had taken 3 steps when the state was read mid-fit
+    assert int(arrays["optimizer.0000"]) == 3, arrays["optimizer.0000"]
+    assert float(taken["metrics"]["metrics.0001"]) > 0  # the running count of the epoch
+    print("OK", len(arrays), "tensorflow" in sys.modules and sys.modules["tensorflow"] is not None)
+""")
+
+
+@pytest.mark.e2e
+def test_the_state_is_read_mid_fit_on_jax_without_importing_tensorflow(tmp_path):
+    env = dict(os.environ, PYTHONPATH=ROOT, KERAS_BACKEND="jax")
+    p = subprocess.run([sys.executable, "-c", _MID_FIT], cwd=str(tmp_path), env=env,
+                       capture_output=True, text=True, timeout=180)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert p.stdout.strip().split()[0] == "OK" and p.stdout.strip().endswith("False")
