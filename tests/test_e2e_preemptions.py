@@ -49,10 +49,11 @@ def bug():
 '''
 
 
-def _job(tmp_path, epochs=2, extra=""):
+def _job(tmp_path, epochs=2, extra="", batch_size=32):
     shutil.copy(os.path.join(ROOT, "jobs", "digits", "digits_job.py"), tmp_path)
     p = tmp_path / "job.yaml"
-    p.write_text(JOB.replace("EPOCHS", str(epochs)) + extra)
+    p.write_text(JOB.replace("EPOCHS", str(epochs)).replace("batch_size: 32",
+                                                            f"batch_size: {batch_size}") + extra)
     return str(p)
 
 
@@ -118,7 +119,9 @@ def test_a_deterministic_bug_is_stopped_within_four_attempts(tmp_path):
 
 @BOTH_BACKENDS
 def test_sigterm_mid_epoch_saves_that_step_and_the_run_resumes_there_bit_identical(tmp_path):
-    job = _job(tmp_path, epochs=3)
+    # 180 steps an epoch: the half epoch between the heartbeat this test reads and the epoch's
+    # end outlasts the signal's way through the supervisor (45 steps of JAX's 3 ms did not)
+    job = _job(tmp_path, epochs=3, batch_size=8)
     ref = subprocess.run([sys.executable, "-m", "orchestrator", "run", job, "--run-dir",
                           str(tmp_path / "ref")], cwd=ROOT, capture_output=True, text=True,
                          timeout=300)
