@@ -296,3 +296,28 @@ def test_diagnose_ranks_conflicting_evidence_the_deciding_layer_first():
     # the ranking follows the layer order, not the order of the text
     assert [c["layer"] for c in diagnose(t["text"], layers=LAYERS[::-1])["candidates"]] == \
         ["grpc", "signatures"]
+
+
+def test_the_installed_keras_says_a_jobs_mistakes_in_words_the_signatures_know():
+    """Keras's own exceptions, raised here by the Keras this suite runs (so a rewording in a
+    new Keras fails this test), named ``user_error`` from the bare last line, no job needed."""
+    keras = pytest.importorskip("keras")
+    import numpy as np
+
+    mistakes = {
+        "keras_unknown_identifier": [lambda: keras.optimizers.get("adamm"),
+                                     lambda: keras.losses.get("msee"),
+                                     lambda: keras.metrics.get("acuracy")],
+        "keras_argument_not_recognized": [lambda: keras.optimizers.Adam(lr=0.1),
+                                          lambda: keras.layers.Dense(3, foo=1)],
+        "keras_input_incompatible": [lambda: keras.Sequential(
+            [keras.Input((4,)), keras.layers.Conv2D(2, 3)])],
+        "shape_mismatch": [lambda: keras.losses.BinaryCrossentropy()(np.zeros((4, 3)),
+                                                                    np.zeros((4, 5)))],
+    }
+    for signature, calls in mistakes.items():
+        for call in calls:
+            error = _raised_in_worker(call)
+            line = f"{error['type']}: {error['message']}".splitlines()[0]
+            d = classify(1, None, line)
+            assert (d.kind, d.signature) == (Kind.USER_ERROR, signature), line
