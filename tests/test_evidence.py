@@ -30,6 +30,9 @@ def _texts():
 
 TEXTS = _texts()
 KEPT_OUT = [t for t in TEXTS if t.get("kept_out")]
+# Kept-out texts the layers named wrong when they were measured; they stay kept out (a rule
+# written from one of them would no longer measure anything).
+MISSED = [t for t in KEPT_OUT if t.get("missed")]
 
 
 def _job(t) -> JobContext | None:
@@ -52,6 +55,7 @@ def test_the_fixture_holds_forty_real_texts_with_sources_on_every_platform():
         assert bool(t.get("kept_out")) != bool(t.get("signature")), t["id"]
         assert t.get("signature") is None or t["signature"] in sig_ids, t["id"]
         assert t.get("layer") in (None, *LAYER_NAMES), t["id"]
+        assert not t.get("missed") or (t.get("kept_out") and t.get("layer") is None), t["id"]
     assert {t["platform"] for t in TEXTS} == PLATFORMS
     # every new signature was written from a text kept here
     assert {t["signature"] for t in TEXTS if t.get("signature")} >= {
@@ -60,7 +64,15 @@ def test_the_fixture_holds_forty_real_texts_with_sources_on_every_platform():
         "tf_checkpoint_write_failed", "gcs_request_failed", "gcs_api_unavailable"}
 
 
-@pytest.mark.parametrize("t", TEXTS, ids=[t["id"] for t in TEXTS])
+def _as_measured(t):
+    """A missed text is expected to stay missed (strict: naming it right fails the test, so
+    the fixture is updated and the figures reported again)."""
+    if t.get("missed"):
+        return pytest.param(t, marks=pytest.mark.xfail(strict=True, reason=t["missed"]))
+    return t
+
+
+@pytest.mark.parametrize("t", [_as_measured(t) for t in TEXTS], ids=[t["id"] for t in TEXTS])
 def test_every_real_text_is_named_right_and_by_the_expected_layer(t):
     d = _named(t)
     assert d.kind == t["kind"], (d, t["text"])
@@ -82,11 +94,11 @@ def scoreboard():
     return alone, layered, len(failing)
 
 
-def test_the_layers_name_every_kept_out_text_the_signatures_alone_miss_most():
+def test_the_layers_name_the_kept_out_texts_the_signatures_alone_miss_many():
     alone, layered, n = scoreboard()
     print(f"kept-out failure texts named right: signatures only {alone}/{n}, layers {layered}/{n}")
-    assert layered == n
-    assert alone <= n // 2
+    assert layered == n - len(MISSED)  # exactly the misses recorded when they were measured
+    assert alone <= layered - 20  # the layers after the signatures earn their place
 
 
 def test_the_layers_are_consulted_most_specific_first():
@@ -96,7 +108,7 @@ def test_the_layers_are_consulted_most_specific_first():
 @pytest.mark.parametrize("name", LAYER_NAMES)
 def test_each_layer_is_needed_for_a_kept_out_text(name):
     """Each layer names kept-out texts no other layer names right: drop it and they go wrong."""
-    cases = [t for t in KEPT_OUT if t.get("layer") == name]
+    cases = [t for t in KEPT_OUT if t.get("layer") == name and not t.get("missed")]
     assert cases, f"no kept-out text is expected to be named by {name}"
     without = tuple(layer for layer in LAYERS if layer.name != name)
     assert len(without) == len(LAYERS) - 1, f"{name} is not in failures.LAYERS"
@@ -129,6 +141,35 @@ def test_grpc_aborted_is_a_lost_accelerator_only_with_a_lost_session():
     assert classify(1, None, plain).kind == Kind.UNKNOWN
     assert classify(1, None, 'x {"grpc_status":4,"grpc_message":"x"}').kind == \
         Kind.ACCELERATOR_UNAVAILABLE
+
+
+def test_internal_is_the_accelerator_runtime_only_where_xla_says_it():
+    # INTERNAL from XLA's runtime (old jaxlib's "Internal:" form too): a CUDA library or ptxas
+    for text in ("jax.errors.JaxRuntimeError: INTERNAL: Core halted unexpectedly",
+                 "F external/xla/xla/service/gpu/nvptx_compiler.cc:478] ptxas returned an "
+                 "error: 'Internal: ptxas exited with non-zero error code 65280'"):
+        d = _named({"text": text}, (evidence.GRPC,))
+        assert (d.kind, d.matched) == (Kind.ACCELERATOR_CONTEXT, "status INTERNAL"), text
+    # ... not TensorFlow's or gRPC's INTERNAL elsewhere, nor the failed cuInit TF logs and
+    # goes on without the GPU
+    for text in ('grpc: {"grpc_status":13,"grpc_message":"Received RST_STREAM"}',
+                 "E external/local_xla/xla/stream_executor/cuda/cuda_driver.cc:152] failed "
+                 "call to cuInit: INTERNAL: CUDA error: Failed call to cuInit: UNKNOWN ERROR (303)"):
+        assert _named({"text": text}).kind == Kind.UNKNOWN, text
+
+
+def test_a_call_that_does_not_fit_and_a_clash_of_installed_libraries():
+    bad_call = ("Traceback (most recent call last):\n  File \"/usr/lib/python3/site-packages/"
+                "keras/src/models/model.py\", line 3, in f\nTypeError: Adam.__init__() got an "
+                "unexpected keyword argument 'lr'")
+    d = classify(1, None, bad_call)
+    assert (d.kind, d.layer) == (Kind.USER_ERROR, "exception")
+    assert d.matched == "TypeError calling Adam.__init__() with arguments it does not take"
+    clash = "ImportError: cannot import name 'xla_client' from 'jaxlib' (/usr/lib/jaxlib/__init__.py)"
+    d = classify(1, None, clash)
+    assert (d.kind, d.matched) == (Kind.ACCELERATOR_CONTEXT, "ImportError loading jaxlib")
+    mine = "ImportError: cannot import name 'helper' from 'digits_job' (/content/digits_job.py)"
+    assert classify(1, None, mine).kind == Kind.UNKNOWN  # not a library clash: no rule says
 
 
 def test_errno_is_read_as_a_number_a_name_or_the_c_library_text():
@@ -184,6 +225,10 @@ def test_a_factory_typeerror_is_the_jobs_when_the_job_says_which_factories_are_i
     d = classify(1, error, error["traceback"], job=JobContext.from_spec(spec))
     assert (d.kind, d.layer) == (Kind.USER_ERROR, "exception")
     assert d.matched == "TypeError calling the job's factory build_model()"
+    # without the job (diagnose without --job): still a call that does not fit
+    d = classify(1, error, error["traceback"])
+    assert (d.kind, d.matched) == (Kind.USER_ERROR,
+                                   "TypeError calling build_model() with arguments it does not take")
     # an error raised in the job's own file is the job's
     error = _raised_in_worker(_call_factory_raw(spec, "data"))
     d = classify(1, error, "", job=JobContext.from_spec(spec))
@@ -195,9 +240,15 @@ def test_an_import_error_of_the_jobs_module_is_the_jobs_and_of_tensorflow_the_ru
     import importlib
 
     error = _raised_in_worker(importlib.import_module, "evjob_missing_module")
-    assert classify(1, error, "").kind == Kind.UNKNOWN  # raised in importlib, not the job
+    # raised in importlib: without the job, a missing module that is no framework's is still
+    # one a restart cannot bring (the job's own module, or a package it needs)
+    d = classify(1, error, "")
+    assert (d.kind, d.layer) == (Kind.USER_ERROR, "exception")
+    assert d.matched == "ModuleNotFoundError importing evjob_missing_module (not installed, or not on the path)"
     job = JobContext("/content/job", frozenset({"evjob_missing_module"}), frozenset())
-    assert classify(1, error, "", job=job).kind == Kind.USER_ERROR
+    d = classify(1, error, "", job=job)
+    assert (d.kind, d.matched) == (
+        Kind.USER_ERROR, "ModuleNotFoundError importing the job's module evjob_missing_module")
     tf = dict(error, message="No module named 'tensorflow.python.tpu'",
               traceback=error["traceback"].replace("evjob_missing_module",
                                                    "tensorflow.python.tpu"))
@@ -242,3 +293,28 @@ def test_diagnose_ranks_conflicting_evidence_the_deciding_layer_first():
     # the ranking follows the layer order, not the order of the text
     assert [c["layer"] for c in diagnose(t["text"], layers=LAYERS[::-1])["candidates"]] == \
         ["grpc", "signatures"]
+
+
+def test_the_installed_keras_says_a_jobs_mistakes_in_words_the_signatures_know():
+    """Keras's own exceptions, raised here by the Keras this suite runs (so a rewording in a
+    new Keras fails this test), named ``user_error`` from the bare last line, no job needed."""
+    keras = pytest.importorskip("keras")
+    import numpy as np
+
+    mistakes = {
+        "keras_unknown_identifier": [lambda: keras.optimizers.get("adamm"),
+                                     lambda: keras.losses.get("msee"),
+                                     lambda: keras.metrics.get("acuracy")],
+        "keras_argument_not_recognized": [lambda: keras.optimizers.Adam(lr=0.1),
+                                          lambda: keras.layers.Dense(3, foo=1)],
+        "keras_input_incompatible": [lambda: keras.Sequential(
+            [keras.Input((4,)), keras.layers.Conv2D(2, 3)])],
+        "shape_mismatch": [lambda: keras.losses.BinaryCrossentropy()(np.zeros((4, 3)),
+                                                                    np.zeros((4, 5)))],
+    }
+    for signature, calls in mistakes.items():
+        for call in calls:
+            error = _raised_in_worker(call)
+            line = f"{error['type']}: {error['message']}".splitlines()[0]
+            d = classify(1, None, line)
+            assert (d.kind, d.signature) == (Kind.USER_ERROR, signature), line

@@ -72,6 +72,9 @@ WRAPPED = [
      "ValueError: Please provide a TPU Name to connect to."),
     ("user_error", "drive_mountpoint_not_empty",
      "ValueError: Mountpoint must not already contain files"),
+    ("user_error", "jax_array_deleted",  # jax's docs on buffer donation (jax-ml/jax)
+     "Traceback (most recent call last):\nRuntimeError: Array has been deleted with "
+     "shape=int32[4]."),
     ("killed", "colab_ram_exhausted",
      "Your session crashed after using all available RAM. If you are interested in access to "
      "high-RAM runtimes, you may want to check out Colab Pro."),
@@ -157,6 +160,19 @@ def test_diagnose_reads_stdin_and_files_and_names_the_action(tmp_path):
     assert json.loads(_diagnose(["-", "--job", str(job)], stdin=oom)[1])["action"] == \
         "halve_batch"
     assert json.loads(_diagnose(["-"], stdin="all good")[1])["kind"] == "unknown"
+
+
+def test_diagnose_knows_an_unknown_optimizer_is_the_jobs_without_the_job():
+    """Keras's own sentence, and the worker's line for it, pasted without --job."""
+    for text in ("ValueError: Could not interpret optimizer identifier: adamm",
+                 "[worker] error: key 'compile.optimizer': Keras does not accept 'adamm' "
+                 "(Could not interpret optimizer identifier: adamm); did you mean 'adam'? "
+                 "Keras accepts adadelta, adafactor, adagrad, adam"):
+        rc, out, err = _diagnose(["-"], stdin=text)
+        assert rc == 0, err
+        got = json.loads(out)
+        assert (got["kind"], got["action"], got["signature"]) == (
+            "user_error", "give_up", "keras_unknown_identifier"), text
 
 
 def test_diagnose_of_a_missing_file_is_a_clear_error(tmp_path):

@@ -1,5 +1,6 @@
-"""The reinstall remedy, for real: pip reinstalls a small local package built here, a fresh
-process verifies it, and the supervisor's ladder runs it at most once per run."""
+"""The reinstall remedy, for real: pip reinstalls small local packages built here, a fresh
+process verifies them, the plan follows the run's backend (never TensorFlow on JAX), and the
+supervisor's ladder runs it at most once per run."""
 import base64
 import hashlib
 import io
@@ -12,35 +13,45 @@ import zipfile
 import pytest
 
 from conftest import fake_env, fake_worker_cmd
+from orchestrator.core import backends
 from orchestrator.core.journal import Journal
-from orchestrator.recovery.reinstall import installed, reinstall_tensorflow
+from orchestrator.recovery.reinstall import installed, reinstall, reinstall_plan
 from orchestrator.core.spec import RecoverySpec, load
 from orchestrator.supervise.supervisor import Supervisor
 
 DIST, MODULE, VERSION = "orchestrator-fakeflow", "fakeflow", "1.0"
+# What a Colab TPU VM has (googlecolab/backend-info pip-freeze.tpu.txt), plus a TensorFlow a
+# reinstall on JAX must leave alone.
+TPU_VM = [("jax", "jax", "0.7.2"), ("jaxlib", "jaxlib", "0.7.2"), ("libtpu", "libtpu", "0.0.21"),
+          ("tensorflow-cpu", "tensorflow", "2.20.0")]
 
 
-def _build_wheel(wheels) -> str:
+def _build_wheel(wheels, dist=DIST, module=MODULE, version=VERSION) -> str:
     """A pure-Python wheel (a zip with METADATA, WHEEL and RECORD), no build backend needed."""
+    stem = f"{dist.replace('-', '_')}-{version}"
     files = {
-        f"{MODULE}/__init__.py": f"__version__ = {VERSION!r}\n",
-        f"orchestrator_fakeflow-{VERSION}.dist-info/METADATA":
-            f"Metadata-Version: 2.1\nName: {DIST}\nVersion: {VERSION}\n",
-        f"orchestrator_fakeflow-{VERSION}.dist-info/WHEEL":
+        f"{module}/__init__.py": f"__version__ = {version!r}\n",
+        f"{stem}.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n",
+        f"{stem}.dist-info/WHEEL":
             "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
     }
-    record = f"orchestrator_fakeflow-{VERSION}.dist-info/RECORD"
+    record = f"{stem}.dist-info/RECORD"
     lines = []
     for name, text in files.items():
         digest = base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b"=")
         lines.append(f"{name},sha256={digest.decode()},{len(text.encode())}")
     files[record] = "\n".join(lines + [f"{record},,"]) + "\n"
     os.makedirs(wheels, exist_ok=True)
-    path = os.path.join(wheels, f"orchestrator_fakeflow-{VERSION}-py3-none-any.whl")
+    path = os.path.join(wheels, f"{stem}-py3-none-any.whl")
     with zipfile.ZipFile(path, "w") as z:
         for name, text in files.items():
             z.writestr(name, text)
     return path
+
+
+def _install(wheels, target, pins):
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--find-links",
+                    wheels, "--target", target, *pins], check=True)
 
 
 @pytest.fixture
@@ -48,8 +59,7 @@ def local_package(tmp_path):
     """The package installed into a target directory, then broken (its module file deleted)."""
     wheels, target = str(tmp_path / "wheels"), str(tmp_path / "site")
     _build_wheel(wheels)
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--find-links",
-                    wheels, "--target", target, f"{DIST}=={VERSION}"], check=True)
+    _install(wheels, target, [f"{DIST}=={VERSION}"])
     module_file = os.path.join(target, MODULE, "__init__.py")
     os.remove(module_file)  # a broken install: the distribution is there, the code is not
     cfg = RecoverySpec(reinstall_tensorflow=True, tensorflow_distributions=("no-such-dist", DIST),
@@ -63,7 +73,7 @@ def local_package(tmp_path):
 def test_reinstall_repairs_the_installed_distribution_and_verifies_it(local_package):
     cfg, env, module_file, _, _ = local_package
     assert installed(cfg.tensorflow_distributions, env) == (DIST, VERSION)
-    result = reinstall_tensorflow(cfg, env)
+    result = reinstall(cfg, env)
     assert result["ok"], result
     assert result["command"][:3] == [sys.executable, "-m", "pip"]
     assert result["command"][-1] == f"{DIST}=={VERSION}"
@@ -76,9 +86,9 @@ def test_reinstall_reports_a_failing_pip_and_a_missing_distribution(local_packag
     cfg, env, _, _, _ = local_package
     bad = RecoverySpec(tensorflow_distributions=(DIST,), verify_import=MODULE,
                        pip_args=("--no-index", "--find-links", str(tmp_path / "nowhere")))
-    result = reinstall_tensorflow(bad, env)
+    result = reinstall(bad, env)
     assert result["ok"] is False and result["pip_exit"] != 0
-    none = reinstall_tensorflow(RecoverySpec(tensorflow_distributions=("no-such-dist",)), env)
+    none = reinstall(RecoverySpec(tensorflow_distributions=("no-such-dist",)), env)
     assert none["ok"] is False and "none of no-such-dist is installed" in none["detail"]
 
 
@@ -86,6 +96,7 @@ def test_the_ladder_reinstalls_once_per_run_then_moves_on(local_package, fake_jo
     cfg, env, module_file, wheels, target = local_package
     args = json.dumps(list(cfg.pip_args))
     job = fake_job(epochs=2, restarts="{max: 4, backoff: {initial: 0.01}}", extra=f"""
+            backend: tensorflow
             recovery:
               reinstall_tensorflow: true
               tensorflow_distributions: [{DIST}]
@@ -105,3 +116,72 @@ def test_the_ladder_reinstalls_once_per_run_then_moves_on(local_package, fake_jo
         ("accelerator_context", "reinstall_tensorflow"), ("accelerator_context", "restart")]
     assert rec[0]["reinstall"]["ok"] is True and os.path.isfile(module_file)
     assert "skipped reinstall_tensorflow: done 1 time(s)" in rec[1]["detail"]
+
+
+@pytest.fixture
+def tpu_vm_install(tmp_path):
+    """jax, jaxlib, libtpu and a TensorFlow installed into a target directory, jax broken."""
+    others = set(backends.versions(backends.JAX)) - {"keras"} - {d for d, _, _ in TPU_VM}
+    if others:  # a GPU machine's jax CUDA plugin: the plan would rightly pin it too
+        pytest.skip(f"{', '.join(sorted(others))} installed here, outside the fake TPU VM")
+    wheels, target = str(tmp_path / "wheels"), str(tmp_path / "site")
+    for dist, module, version in TPU_VM:
+        _build_wheel(wheels, dist, module, version)
+    _install(wheels, target, [f"{d}=={v}" for d, _, v in TPU_VM])
+    module_file = os.path.join(target, "jax", "__init__.py")
+    os.remove(module_file)
+    cfg = RecoverySpec(reinstall_tensorflow=True,
+                       pip_args=("--no-index", "--find-links", wheels, "--target", target,
+                                 "--upgrade"))
+    return cfg, dict(os.environ, PYTHONPATH=target), module_file
+
+
+def test_on_jax_the_reinstall_is_jax_jaxlib_and_libtpu_at_their_versions_never_tensorflow(
+        tpu_vm_install):
+    cfg, env, module_file = tpu_vm_install
+    result = reinstall(cfg, env, backend="jax")
+    assert result["ok"], result
+    assert result["pins"] == [["jax", "0.7.2"], ["jaxlib", "0.7.2"], ["libtpu", "0.0.21"]]
+    assert result["command"][-3:] == ["jax==0.7.2", "jaxlib==0.7.2", "libtpu==0.0.21"]
+    assert not any("tensorflow" in part for part in result["command"])
+    assert result["verify"].startswith("0.7.2 0.7.2 ") and os.path.isfile(module_file)
+    assert result["detail"].startswith("reinstalled jax==0.7.2 jaxlib==0.7.2 libtpu==0.0.21; verified")
+    # the same install on TensorFlow reinstalls TensorFlow's distribution alone
+    tf = reinstall_plan("tensorflow", cfg)
+    assert installed(tf.candidates, env) == ("tensorflow-cpu", "2.20.0")
+
+
+def test_the_plan_follows_the_backend():
+    jax = reinstall_plan("jax")
+    assert (jax.every, jax.verify_import, jax.verify_distribution) == (True, "jax", "jax")
+    assert {"jax", "jaxlib", "libtpu", "jax-cuda12-plugin", "jax-cuda12-pjrt"} <= set(jax.candidates)
+    assert not [c for c in jax.candidates if "tensorflow" in c]
+    tf = reinstall_plan("tensorflow", RecoverySpec(tensorflow_distributions=("tensorflow-tpu",)))
+    assert (tf.candidates, tf.every, tf.verify_import) == (("tensorflow-tpu",), False, "tensorflow")
+    with pytest.raises(ValueError, match="no reinstall plan for backend 'torch'"):
+        reinstall_plan("torch")
+
+
+
+def test_the_remedy_reinstalls_the_backend_the_run_trains_on(tpu_vm_install, fake_job):
+    """The supervisor's remedy passes the job's backend (resolved when the job was loaded)."""
+    from orchestrator.core.kinds import Action
+    from orchestrator.recovery.actions import Remedies
+    from orchestrator.recovery.policy import Decision
+
+    cfg, env, module_file = tpu_vm_install
+    job = fake_job(extra=f"""
+            backend: jax
+            recovery:
+              reinstall_tensorflow: true
+              pip_args: {json.dumps(list(cfg.pip_args))}
+    """)
+    spec = load(job)
+    said = []
+    remedies = Remedies(spec, lambda: dict(env), lambda: None, lambda s: None, said.append)
+    detail, fields = remedies.apply(Decision(Action.REINSTALL_TENSORFLOW, "accelerator_context",
+                                             "ladder rung 3"), dict(env))
+    assert fields["reinstall"]["ok"] and fields["reinstall"]["backend"] == "jax"
+    assert detail.startswith("reinstalled jax==0.7.2 jaxlib==0.7.2 libtpu==0.0.21; verified")
+    assert said == ["reinstalling the jax install (recovery.reinstall_tensorflow)"]
+    assert remedies.reinstalls == 1 and os.path.isfile(module_file)

@@ -317,7 +317,7 @@ def check_pip(python: str = sys.executable) -> Check:
         return Check("pip", WARN, f"pip did not run: {exc} (the reinstall action needs it)")
     if p.returncode != 0:
         return Check("pip", WARN, f"`{python} -m pip` is not available (exit {p.returncode}): "
-                     "the TensorFlow reinstall action cannot run")
+                     "the reinstall action (TensorFlow, or jax/jaxlib/libtpu) cannot run")
     return Check("pip", OK, p.stdout.strip().split(" from ")[0])
 
 

@@ -2,7 +2,8 @@
 
 policy.py decides; this module does: it keeps the overrides the actions set (halved batch,
 fallen-back strategy, reinitialise once, reinstalls done), says which actions can apply now,
-runs the waits and the reinstall, and turns the overrides into the next worker's environment.
+runs the waits and the reinstall (of the run's backend: TensorFlow, or jax/jaxlib/libtpu), and
+turns the overrides into the next worker's environment.
 The overrides are rebuilt from the journal's ``recovery`` events, so they outlive a supervisor.
 Which actions apply is read from state only (what the last worker ran on, what the last probe
 saw): the policy asks while deciding, and a decision never waits on a probe.
@@ -14,7 +15,7 @@ from typing import Callable
 
 from orchestrator.recovery import probes
 from orchestrator.recovery.policy import Decision, next_strategy
-from orchestrator.recovery.reinstall import reinstall_tensorflow
+from orchestrator.recovery.reinstall import reinstall
 from orchestrator.core.rundir import ENV_BATCH_SIZE, ENV_REINIT, ENV_STRATEGY
 from orchestrator.core.spec import JobSpec
 from orchestrator.core.events import Event
@@ -128,9 +129,10 @@ class Remedies:
             return (f"waited {waited:.1f} s, {count} probe(s): {res.accelerator} {res.state}: "
                     f"{res.detail}", {"probe": res.as_dict()})
         if d.action == Action.REINSTALL_TENSORFLOW:
-            self.say("reinstalling TensorFlow (recovery.reinstall_tensorflow)")
+            # the run's backend (resolved when the job was loaded): jax/jaxlib/libtpu on JAX
+            self.say(f"reinstalling the {self.spec.backend} install (recovery.reinstall_tensorflow)")
             self.reinstalls += 1
-            result = reinstall_tensorflow(self.spec.recovery, env)
+            result = reinstall(self.spec.recovery, env, backend=self.spec.backend)
             return result["detail"], {"reinstall": result}
         return d.reason, {}  # restart: a fresh process is the remedy
 
