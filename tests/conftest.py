@@ -32,6 +32,19 @@ def backend():
     return "tensorflow"
 
 
+@pytest.fixture(scope="session")
+def _jax_compile_cache(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("jax-compile-cache"))
+
+
+@pytest.fixture(autouse=True)
+def _shared_jax_compile_cache(_jax_compile_cache, monkeypatch):
+    """One JAX compile cache for every worker the suite starts (JAX_COMPILATION_CACHE_DIR is
+    taken as the local cache: train/compile_cache.py): each test's run directory is new, and
+    compiling the same digits model afresh in each JAX worker cost 4-8 s a start."""
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", _jax_compile_cache)
+
+
 @pytest.fixture(autouse=True)
 def _keras_backend(backend, monkeypatch):
     """Every process a test starts resolves ``backend: auto`` (the default) to the test's
