@@ -1,6 +1,7 @@
 """The supervisor with two tiers (fake workers): Drive outages, a kill mid-upload, corrupt
 checkpoints, retention, and the refusal of an incompatible resume."""
 import errno
+import json
 import io
 import os
 import signal
@@ -163,6 +164,20 @@ def test_changed_model_data_or_optimizer_is_refused_unless_forced(fake_job, caps
     forced = [e for e in events if e["event"] == "resume_forced"]
     assert len(forced) == 1 and forced[0]["changed"] == ["batch_size"]
     assert _run(job, {})[0] == 0  # the forced hash is now the run's own
+
+
+def test_a_resume_under_the_other_backend_is_refused_naming_both_unless_forced(fake_job):
+    job = fake_job(epochs=2)
+    assert _run(job, {})[0] == 0  # trained on TensorFlow (the suite's KERAS_BACKEND)
+    assert json.load(open(os.path.join(load(job).run_dir, "run.json")))["backend"] == "tensorflow"
+    with pytest.raises(IncompatibleResume, match=r"backend \(the run trained on tensorflow, "
+                                                 r"this one would train on jax.*\) changed"):
+        Supervisor(load(job, backend="jax"), worker_cmd=fake_worker_cmd).run()
+    sup = Supervisor(load(job, backend="jax"), worker_cmd=fake_worker_cmd, force=True,
+                     out=io.StringIO())
+    assert sup.run() == 0
+    info = json.load(open(os.path.join(load(job).run_dir, "run.json")))
+    assert info["backend"] == "jax" and info["training"]["backend"] == "jax"
 
 
 def test_changing_epochs_or_restarts_resumes_without_force(fake_job):

@@ -33,6 +33,10 @@ def load_data(features=4, examples=16):
 
 def broken_data():
     return len(5)
+
+
+def tf_data():  # what a tf.data job meets on a TPU VM, where TensorFlow is not installed
+    raise ModuleNotFoundError("No module named 'tensorflow'", name="tensorflow")
 """
 
 
@@ -160,3 +164,15 @@ def test_a_module_that_does_not_compile_is_named_with_its_key(job, tmp_path):
     with pytest.raises(jobcode.JobError) as e:
         jobcode.factories(job(model="typo_job:build_model"))
     assert e.value.key == "model" and "typo_job.py:1" in str(e.value)
+
+
+def test_a_job_that_imports_tensorflow_on_jax_without_it_is_told_before_training(job):
+    spec = job(data="toy_job:tf_data", backend="jax")
+    with pytest.raises(jobcode.JobError) as e:
+        jobcode.load_data(spec)
+    assert e.value.key == "data"
+    assert "toy_job:tf_data() failed: No module named 'tensorflow'" in str(e.value)
+    assert "trains on JAX" in str(e.value) and "give NumPy arrays" in str(e.value)
+    # on TensorFlow the same error is TensorFlow's own missing install: not the job's
+    with pytest.raises(ModuleNotFoundError):
+        jobcode.load_data(job(data="toy_job:tf_data", backend="tensorflow"))

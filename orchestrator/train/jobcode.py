@@ -103,7 +103,8 @@ def resolve(spec: JobSpec, factory, key: str) -> Factory:
                        f"({exc.filename}:{exc.lineno})", key) from exc
     except ImportError as exc:
         raise JobError(f"{where}: cannot import module '{module_name}' "
-                       f"(looked in {spec.job_dir} and sys.path): {exc}", key) from exc
+                       f"(looked in {spec.job_dir} and sys.path): {exc}"
+                       f"{_no_tensorflow_hint(spec, exc)}", key) from exc
     func = getattr(module, func_name, None)
     if not callable(func):
         raise JobError(f"{where}: module '{module_name}' has no function '{func_name}'", key)
@@ -147,6 +148,21 @@ def load_data(spec: JobSpec):
         return datasets.normalise(resolve(spec, spec.data, "data")(), _where(spec, "data"))
     except datasets.DataError as exc:
         raise JobError(str(exc), "data") from exc
+    except ModuleNotFoundError as exc:
+        hint = _no_tensorflow_hint(spec, exc)
+        if not hint:
+            raise
+        raise JobError(f"{_where(spec, 'data')}: {spec.data.target}() failed: {exc}{hint}",
+                       "data") from exc
+
+
+def _no_tensorflow_hint(spec: JobSpec, exc: ImportError) -> str:
+    """On JAX, a job whose code imports TensorFlow (a tf.data pipeline) where it is not
+    installed: say so before training, with what to do."""
+    if getattr(exc, "name", None) != "tensorflow" or spec.backend != "jax":
+        return ""
+    return ("; the job trains on JAX, and its code imports TensorFlow (a tf.data pipeline?), "
+            "which is not installed here: give NumPy arrays, or install TensorFlow beside JAX")
 
 
 def _accepted(module, base: type, aliases=()) -> list[str]:
