@@ -121,3 +121,21 @@ def test_the_state_is_read_mid_fit_on_jax_without_importing_tensorflow(tmp_path)
                        capture_output=True, text=True, timeout=180)
     assert p.returncode == 0, p.stdout + p.stderr
     assert p.stdout.strip().split()[0] == "OK" and p.stdout.strip().endswith("False")
+
+
+def test_exact_resume_is_promised_only_where_it_was_measured():
+    from orchestrator.train.backends import Placement, exactness
+    from orchestrator.train.backends.jax_backend import JaxBackend
+    from orchestrator.train.backends.tf_backend import TensorFlowBackend
+
+    def on(described):
+        return Placement(None, described, 1, False, True, False)
+
+    assert exactness(on("CPU (JAX, cpu)"), True, JaxBackend.exact_on) is None
+    assert exactness(on("GPU (JAX, NVIDIA H200)"), True, JaxBackend.exact_on) is None
+    why = exactness(on("TPU (JAX, TPU v5 lite)"), True, JaxBackend.exact_on)
+    assert why and "not verified on TPU" in why
+    assert "not verified on GPU" in exactness(on("GPU (/device:GPU:0)"), True,
+                                              TensorFlowBackend.exact_on)
+    assert exactness(on("CPU x8"), True, TensorFlowBackend.exact_on) is None
+    assert exactness(on("CPU"), False, JaxBackend.exact_on) == "deterministic is off"

@@ -206,12 +206,17 @@ def run(prep: Prepared, rd: RunDir, attempt: int, progress, t_start: float, mark
                                 "of each fit call (finalize_variable_values): the resumed epoch "
                                 "ends one call early")
     marks["restored"] = round(time.time() - t_start, 3)
+    from orchestrator.train.backends import exactness
+
+    unpromised = exactness(placement, spec.deterministic, backend.exact_on)
+    if unpromised and spec.deterministic:
+        print(f"[worker] {unpromised}", flush=True)
     progress.epoch, progress.batch, progress.step = at.epoch, at.batch, at.step
     journal.append(Event.WORKER_READY, source="worker", attempt=attempt, strategy=described,
                    strategy_kind=described.split()[0].lower(), reinitialised=prep.reinitialise,
                    batch_size=spec.batch_size, replicas=replicas, global_batch=global_batch,
                    steps_per_epoch=spe, backend=backend.name, versions=backend.versions(),
-                   **backend.facts(),
+                   **backend.facts(), exact_resume_not_promised=unpromised,
                    resumed_from_epoch=at.epoch, resumed_from_batch=at.batch,
                    resumed_from_step=at.step, deterministic=spec.deterministic,
                    restored_state_sha256=restored,

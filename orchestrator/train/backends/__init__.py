@@ -35,6 +35,18 @@ class Placement:
     drop_remainder: bool
 
 
+def exactness(placement: Placement, deterministic: bool, verified_on: tuple) -> str | None:
+    """None where a resume has been verified bit-exact on this kind of device, else why it
+    is not promised (journaled with ``worker_ready``): a guarantee is only what was measured."""
+    if not deterministic:
+        return "deterministic is off"
+    kind = placement.described.split()[0]
+    if kind in verified_on:
+        return None
+    return (f"exact resume is not verified on {kind} with this backend (verified on "
+            f"{', '.join(verified_on)}); the run resumes, the weights may differ in the last bits")
+
+
 class BackendUnavailable(Exception):
     """The run's backend is not installed here; the message names what to install."""
 

@@ -75,6 +75,9 @@ def array_batches(x, y, seed: int, begin: int, end: int, global_batch: int,
 
 class JaxBackend:
     name = "jax"
+    # where bit-exact resume under kills is proven: the CPU (the end-to-end tests), and one
+    # GPU with XLA's deterministic ops (an H200: bench/gpu_check.py); never on a TPU yet
+    exact_on = ("CPU", "GPU")
     cache = None  # compile_cache.CompileCache, once configured for a run
     traced_reader = False  # Snapshot.warm traces the reader before the first checkpoint
 

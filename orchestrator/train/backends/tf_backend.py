@@ -13,6 +13,10 @@ from orchestrator.train.backends import Placement
 
 class TensorFlowBackend:
     name = "tensorflow"
+    # where bit-exact resume under kills is proven (the end-to-end tests: one CPU, a CPU split
+    # into replicas, a group of CPU workers); a GPU's or a TPU's kernels were never run by this
+    # project on TensorFlow
+    exact_on = ("CPU", "MultiWorkerMirrored")
     traced_reader = True  # Snapshot.warm traces the reader before the first checkpoint
 
     def import_framework(self) -> None:
