@@ -41,6 +41,23 @@ def test_status_of_a_finished_run(finished_run, capsys):
     assert j["state"] == "completed" and j["restarts_by_kind"] == {"killed": 1}
 
 
+def test_status_says_the_backend_the_run_trains_on_and_a_run_from_before_is_tensorflow(
+        finished_run, capsys):
+    import json
+    import os
+
+    assert run_status(finished_run)["backend"]["name"] == "tensorflow"
+    info_path = os.path.join(finished_run, "run.json")
+    info = json.load(open(info_path))
+    json.dump(dict(info, backend="jax"), open(info_path, "w"))
+    assert run_status(finished_run)["backend"]["name"] == "jax"
+    assert cli.main(["status", finished_run]) == 0
+    assert "  backend: jax" in capsys.readouterr().out
+    del info["backend"]  # a run.json written before there were two backends
+    json.dump(info, open(info_path, "w"))
+    assert run_status(finished_run)["backend"]["name"] == "tensorflow"
+
+
 def test_status_of_a_failed_run(failed_run, capsys):
     s = run_status(failed_run)
     assert s["state"] == "failed"

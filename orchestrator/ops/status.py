@@ -104,6 +104,7 @@ def run_status(run_dir: str, now: float | None = None) -> dict:
         "run_dir_outages": outages(events, now),
         "workers": next((e.get("workers") for e in reversed(events)
                          if e["event"] == Event.ATTEMPT_STARTED), None),
+        "backend": _backend(info, events),
         "last_error": _last_error(failed, run_failed),
         "failure": None if run_failed is None or state != "failed" else {
             k: run_failed.get(k) for k in ("kind", "reason", "evidence", "tried")
@@ -217,6 +218,14 @@ def _last_error(failed: list, run_failed: dict | None) -> str | None:
     return f"attempt {a.n} ({a.kind}): {line or a.how}"
 
 
+def _backend(info: dict, events: list) -> dict:
+    """The Keras backend the run trains on (run.json; runs from before the second backend
+    trained on TensorFlow), with the last worker's versions and devices."""
+    ready = next((e for e in reversed(events) if e["event"] == Event.WORKER_READY), {})
+    return {"name": info.get("backend", "tensorflow"), "versions": ready.get("versions"),
+            "devices": ready.get("strategy")}
+
+
 def format_status(s: dict, now: float | None = None) -> str:
     now = time.time() if now is None else now
     where = f"epoch {s['epoch']}/{s['epochs']}, step {s['step']}"
@@ -250,6 +259,12 @@ def format_status(s: dict, now: float | None = None) -> str:
                      f"{fmt_duration(now - s['durable_unreachable_since'])}; training goes on")
     if s.get("durable_error"):
         lines.append(f"  durable tier: {s['durable_error']}")
+    if s.get("backend"):
+        b = s["backend"]
+        versions = ", ".join(f"{k} {v}" for k, v in (b.get("versions") or {}).items()
+                             if k != "platform")
+        lines.append(f"  backend: {b['name']}" + (f" ({versions})" if versions else "")
+                     + (f" on {b['devices']}" if b.get("devices") else ""))
     if s.get("workers"):
         lines.append(f"  workers: {format_workers(s['workers'])}")
     for o in s.get("run_dir_outages", [])[-3:]:
