@@ -14,6 +14,10 @@ from types import SimpleNamespace
 import pytest
 
 from orchestrator.core import tpuvm
+from orchestrator.core.kinds import Action
+from orchestrator.core.rundir import ENV_REINIT
+from orchestrator.recovery.actions import Remedies
+from orchestrator.recovery.policy import Decision
 
 # /proc/locks as fs/locks.c writes it: id, [-> for a waiter], class, mode, access, pid,
 # major:minor:inode (hex, hex, decimal), start, end
@@ -109,3 +113,28 @@ def test_a_lock_held_by_the_supervisor_itself_is_named_as_such(tpu_vm):
         assert f"pid {os.getpid()}, this very process" in summary
     finally:
         os.close(fd)
+
+
+def _remedies(backend: str) -> Remedies:
+    spec = SimpleNamespace(backend=backend, batch_size=32, strategy="auto")
+    return Remedies(spec, dict, own_pgid=lambda: None, sleep=lambda s: None, say=print)
+
+
+def test_reinit_on_jax_clears_a_stale_libtpu_lock_and_sets_no_tensorflow_reinit(
+        tpu_vm, monkeypatch):
+    monkeypatch.setattr(tpuvm, "DEVICE_GLOBS", tpu_vm.globs)
+    monkeypatch.setattr(tpuvm, "lock_files", lambda: [str(tpu_vm.lock)])
+    tpu_vm.lock.write_text("")
+    decision = Decision(Action.REINIT_ACCELERATOR, "accelerator_context", "ladder rung 2")
+    r = _remedies("jax")
+    detail, fields = r.apply(decision, {})
+    assert not tpu_vm.lock.exists()
+    assert [(x["path"], x["action"]) for x in fields["libtpu_lock"]] == [
+        (str(tpu_vm.lock), "removed")]
+    assert detail.startswith("the next attempt is a fresh JAX process; libtpu lock: ")
+    assert ENV_REINIT not in r.worker_env({}, consume=True)
+    tf = _remedies("tensorflow")
+    tpu_vm.lock.write_text("")
+    detail, fields = tf.apply(decision, {})
+    assert tpu_vm.lock.exists() and fields == {}  # TensorFlow: the worker reinitialises
+    assert tf.worker_env({}, consume=True)[ENV_REINIT] == "1"
