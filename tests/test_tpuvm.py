@@ -6,6 +6,7 @@ What stands in for the TPU: device files in a temp dir (``/dev/accel0``, ``/dev/
 lock files taken with ``lockf`` by processes we start (libtpu's own call), ``/proc/locks``
 lines in the kernel's format, and a sysfs PCI tree with Google's ids."""
 import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -13,11 +14,59 @@ from types import SimpleNamespace
 
 import pytest
 
+from conftest import ROOT
 from orchestrator.core import tpuvm
 from orchestrator.core.kinds import Action
 from orchestrator.core.rundir import ENV_REINIT
 from orchestrator.recovery.actions import Remedies
 from orchestrator.recovery.policy import Decision
+
+# The standby's own serve(), import-only, on the digits job on JAX: where it would wait for the
+# promotion line, report what JAX and Keras hold (and pretend the pipe closed: it exits 0).
+_STANDBY = r"""
+import json, sys, time
+from orchestrator.core.rundir import RunDir
+from orchestrator.core.spec import load
+from orchestrator.train import standby
+from orchestrator.train.preemption import PreemptionNotice
+
+def report(stream):
+    from jax._src import xla_bridge
+    with open("/proc/self/maps") as f:
+        maps = f.read()
+    print("STATE " + json.dumps({
+        "imported": [m for m in ("jax", "keras", "tensorflow") if m in sys.modules],
+        "keras_backend": sys.modules["keras"].backend.backend(),
+        "backends_initialized": xla_bridge.backends_are_initialized(),
+        "plugins_discovered": xla_bridge._plugins_registered,
+        "libtpu_loaded": "libtpu" in maps}), flush=True)
+    return None
+
+standby.wait_for_promotion = report
+spec = load(sys.argv[1], run_dir=sys.argv[2], backend="jax")
+sys.exit(standby.serve(spec, RunDir.for_spec(spec).make(), 2, "import_only",
+                       PreemptionNotice(), time.time()))
+"""
+
+
+def test_an_import_only_standby_on_jax_initialises_no_jax_backend(tmp_path):
+    """libtpu is loaded, and its lock taken, when JAX initialises its backends: at the first
+    device query, not at ``import jax``. The standby's whole warm-up up to its wait must leave
+    JAX's backend registry empty (no platform initialised, no PJRT plugin even discovered)."""
+    pytest.importorskip("jax")
+    job = os.path.join(ROOT, "jobs", "digits", "job.yaml")
+    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="")
+    p = subprocess.run([sys.executable, "-c", _STANDBY, job, str(tmp_path / "run")],
+                       capture_output=True, text=True, timeout=240, env=env,
+                       stdin=subprocess.DEVNULL)
+    states = [ln[len("STATE "):] for ln in p.stdout.splitlines() if ln.startswith("STATE ")]
+    assert p.returncode == 0 and states, p.stdout + p.stderr
+    state = json.loads(states[0])
+    assert state == {"imported": ["jax", "keras"], "keras_backend": "jax",
+                     "backends_initialized": False, "plugins_discovered": False,
+                     "libtpu_loaded": False}, p.stderr
+    assert "[standby] ready (import_only)" in p.stdout and "[standby] discarded" in p.stdout
+
 
 # /proc/locks as fs/locks.c writes it: id, [-> for a waiter], class, mode, access, pid,
 # major:minor:inode (hex, hex, decimal), start, end
