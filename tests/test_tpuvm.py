@@ -68,6 +68,35 @@ def test_an_import_only_standby_on_jax_initialises_no_jax_backend(tmp_path):
     assert "[standby] ready (import_only)" in p.stdout and "[standby] discarded" in p.stdout
 
 
+def _configure(monkeypatch, tmp_path, strategy: str, fallback: str | None = None) -> str | None:
+    from orchestrator.train.backends.jax_backend import JaxBackend
+
+    for name in ("JAX_PLATFORMS", "ORCHESTRATOR_STRATEGY", "XLA_FLAGS"):
+        monkeypatch.setenv(name, "")  # restored after the test, whatever configure sets
+        monkeypatch.delenv(name)
+    if fallback:
+        monkeypatch.setenv("ORCHESTRATOR_STRATEGY", fallback)
+    spec = SimpleNamespace(strategy=strategy, deterministic=False, run_dir=str(tmp_path / "run"),
+                           checkpoint=SimpleNamespace(local_dir=str(tmp_path / "l" / "ckpt")))
+    JaxBackend().configure(spec, None, standby=False)
+    return os.environ.get("JAX_PLATFORMS")
+
+
+def test_a_jax_worker_on_a_tpu_vm_names_the_tpu_platform_so_a_held_tpu_fails_loudly(
+        monkeypatch, tmp_path):
+    """Unnamed, JAX's TPU backend fails quietly (xla_bridge registers it fail_quietly) and the
+    worker would train on the CPU of a TPU VM whose chip another process holds."""
+    dev = tmp_path / "dev"
+    (dev / "vfio").mkdir(parents=True)
+    monkeypatch.setattr(tpuvm, "DEVICE_GLOBS", (f"{dev}/accel*", f"{dev}/vfio/[0-9]*"))
+    assert _configure(monkeypatch, tmp_path, "auto") is None  # no chip: JAX chooses
+    (dev / "vfio" / "0").write_text("")
+    assert _configure(monkeypatch, tmp_path, "auto") == "tpu,cpu"
+    assert _configure(monkeypatch, tmp_path, "tpu") == "tpu,cpu"
+    assert _configure(monkeypatch, tmp_path, "gpu") is None
+    assert _configure(monkeypatch, tmp_path, "auto", fallback="cpu") == "cpu"  # recovery's
+
+
 # /proc/locks as fs/locks.c writes it: id, [-> for a waiter], class, mode, access, pid,
 # major:minor:inode (hex, hex, decimal), start, end
 _PROC_LOCKS = """\
