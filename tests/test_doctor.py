@@ -121,7 +121,7 @@ def test_a_colab_tpu_vm_on_jax_checks_libtpu_and_never_advises_tensorflow(tmp_pa
     """Today's Colab TPU image (googlecolab/backend-info pip-freeze.tpu.txt): jax, jaxlib and
     libtpu, no TensorFlow. On JAX the doctor imports no TensorFlow, not even in a probe (it
     would load libtpu), and tells no one to install tensorflow-tpu (colabtools#5174)."""
-    image = {"jax": "0.7.2", "jaxlib": "0.7.2", "libtpu": "0.0.21"}
+    image = {"jax": "0.7.2", "jaxlib": "0.7.2", "libtpu": "0.0.23"}  # jax[tpu]==0.7.2's pin
     # with a TensorFlow installed beside it too (a custom image): still no TensorFlow probe
     env = _tpu_vm(tmp_path, monkeypatch, dists=dict(image, tensorflow="2.20.0"))
     monkeypatch.setattr(doctor, "tensorflow_probe", lambda *a, **k: pytest.fail("imported TF"))
@@ -130,7 +130,7 @@ def test_a_colab_tpu_vm_on_jax_checks_libtpu_and_never_advises_tensorflow(tmp_pa
     assert not {"tensorflow", "tensorflow import", "tpu kernels", "tensorflow-tpu"} & set(levels)
     assert (levels["accelerator"], levels["libtpu"]) == (OK, OK)
     assert next(c.detail for c in checks if c.name == "libtpu").endswith(
-        "libtpu/libtpu.so (libtpu 0.0.21)")
+        "libtpu/libtpu.so (libtpu 0.0.23)")
     env = _tpu_vm(tmp_path / "bare", monkeypatch, dists={"jax": "0.7.2"}, libtpu=False)
     checks = doctor.check_runtime(str(tmp_path / "run"), env=env, run_probe=False,
                                   backend="jax")

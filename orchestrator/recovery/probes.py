@@ -80,8 +80,8 @@ def probe_tpu_vm(device_globs=TPU_DEVICE_GLOBS, lockfile: str | None = None,
         return ProbeResult("tpu_vm", BUSY, f"{seen}; the TPU is held by "
                            + ", ".join(use.describe(p) if p > 0 else "an open-file-description "
                                        "lock" for p in holders))
-    locks = ", ".join(use.locks) or "no libtpu lock file"
-    return ProbeResult("tpu_vm", OK, f"{seen}, {locks} free")
+    left = f"no lock on {', '.join(use.locks)}" if use.locks else "no libtpu lock file"
+    return ProbeResult("tpu_vm", OK, f"{seen}; the TPU is free ({left})")
 
 
 def probe_gpu(env=None, timeout: float = 20.0) -> ProbeResult:
