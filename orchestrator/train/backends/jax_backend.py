@@ -13,6 +13,7 @@ What differs from TensorFlow, and why:
   at the next step.
 - **Devices are set by the environment before JAX initialises its backend**: a CPU split
   (``--xla_force_host_platform_device_count``), ``JAX_PLATFORMS=cpu`` for ``strategy: cpu``,
+  ``tpu,cpu`` on a TPU VM (unnamed, a TPU that fails to open is skipped for the CPU, quietly),
   no preallocation of 75 % of a GPU when a standby shares it, XLA's deterministic GPU ops for
   ``deterministic: true``. Several devices train under ``keras.distribution.DataParallel``
   (one replica per device); the last partial batch is dropped there, as on a TPU, because it
