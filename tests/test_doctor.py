@@ -83,24 +83,27 @@ def test_a_v5e_tpu_vm_without_tensorflow_gets_the_install_line(tmp_path, monkeyp
     env = _tpu_vm(tmp_path, monkeypatch, libtpu=False)
     # a stale legacy address must not hide the chips of the VM itself
     env["COLAB_TPU_ADDR"] = "10.0.0.2:8470"
-    checks = doctor.check_runtime(str(tmp_path / "run"), env=env, run_probe=False)
+    checks = doctor.check_runtime(str(tmp_path / "run"), env=env, run_probe=False,
+                                  backend="tensorflow")
     levels = _levels(checks)
     assert levels["accelerator"] == OK and "TPU VM: 1 device file(s)" in next(
         c.detail for c in checks if c.name == "accelerator")
     assert (levels["tensorflow"], levels["tensorflow-tpu"], levels["libtpu"]) == (FAIL,) * 3
     line = ("pip install tensorflow-tpu -f "
             "https://storage.googleapis.com/libtpu-tf-releases/index.html")
-    assert all(line in c.detail for c in checks if c.name in ("tensorflow", "tensorflow-tpu",
-                                                                "libtpu"))
+    assert all(line in c.detail and "train on JAX" in c.detail  # JAX first (colabtools#5174)
+               for c in checks if c.name in ("tensorflow", "tensorflow-tpu", "libtpu"))
     # a job that will not use the TPU only hears about it
-    checks = doctor.check_runtime(str(tmp_path / "run"), "cpu", env=env, run_probe=False)
+    checks = doctor.check_runtime(str(tmp_path / "run"), "cpu", env=env, run_probe=False,
+                                  backend="tensorflow")
     assert _levels(checks)["tensorflow-tpu"] == WARN
 
 
 def test_a_tpu_vm_with_tensorflow_tpu_and_libtpu(tmp_path, monkeypatch):
     env = _tpu_vm(tmp_path, monkeypatch, chips=("accel0", "accel1", "accel2", "accel3"),
                   dists={"tensorflow-tpu": "2.18.0", "libtpu": "2.18.0"})
-    checks = doctor.check_runtime(str(tmp_path / "run"), env=env, run_probe=False)
+    checks = doctor.check_runtime(str(tmp_path / "run"), env=env, run_probe=False,
+                                  backend="tensorflow")
     levels = _levels(checks)
     assert (levels["tensorflow"], levels["tpu kernels"], levels["tensorflow-tpu"],
             levels["libtpu"]) == (OK, OK, OK, OK)
@@ -111,6 +114,32 @@ def test_a_tpu_vm_with_tensorflow_tpu_and_libtpu(tmp_path, monkeypatch):
     assert doctor.find_libtpu({}, [str(tmp_path / "nowhere"), str(tmp_path / "site")]) == str(
         tmp_path / "site" / "libtpu" / "libtpu.so")
     assert doctor.find_libtpu({"TPU_LIBRARY_PATH": str(tmp_path / "gone.so")}) is None
+
+
+def test_a_colab_tpu_vm_on_jax_checks_libtpu_and_never_advises_tensorflow(tmp_path,
+                                                                          monkeypatch):
+    """Today's Colab TPU image (googlecolab/backend-info pip-freeze.tpu.txt): jax, jaxlib and
+    libtpu, no TensorFlow. On JAX the doctor imports no TensorFlow, not even in a probe (it
+    would load libtpu), and tells no one to install tensorflow-tpu (colabtools#5174)."""
+    image = {"jax": "0.7.2", "jaxlib": "0.7.2", "libtpu": "0.0.23"}  # jax[tpu]==0.7.2's pin
+    # with a TensorFlow installed beside it too (a custom image): still no TensorFlow probe
+    env = _tpu_vm(tmp_path, monkeypatch, dists=dict(image, tensorflow="2.20.0"))
+    monkeypatch.setattr(doctor, "tensorflow_probe", lambda *a, **k: pytest.fail("imported TF"))
+    checks = doctor.check_runtime(str(tmp_path / "run"), env=env, backend="jax")
+    levels = _levels(checks)
+    assert not {"tensorflow", "tensorflow import", "tpu kernels", "tensorflow-tpu"} & set(levels)
+    assert (levels["accelerator"], levels["libtpu"]) == (OK, OK)
+    assert next(c.detail for c in checks if c.name == "libtpu").endswith(
+        "libtpu/libtpu.so (libtpu 0.0.23)")
+    env = _tpu_vm(tmp_path / "bare", monkeypatch, dists={"jax": "0.7.2"}, libtpu=False)
+    checks = doctor.check_runtime(str(tmp_path / "run"), env=env, run_probe=False,
+                                  backend="jax")
+    libtpu = next(c for c in checks if c.name == "libtpu")
+    assert libtpu.level == FAIL and libtpu.detail.endswith(
+        "JAX cannot open the chips; pip install 'jax[tpu]==0.7.2'")
+    assert not any("tensorflow-tpu" in c.detail for c in checks)
+    # the job-code probe builds the model on the CPU: JAX there must not take the chip
+    assert doctor._probe_env({})["JAX_PLATFORMS"] == "cpu"
 
 
 def test_no_tpu_checks_off_a_tpu_vm(tmp_path, monkeypatch):

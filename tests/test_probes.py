@@ -2,11 +2,11 @@
 import os
 import socket
 import stat
-import subprocess
-import sys
 import time
 
+from orchestrator.core import tpuvm
 from orchestrator.recovery import probes
+from test_tpuvm import held, lockf
 
 
 def test_tpu_node_probe_is_tcp_reachability_of_the_grpc_address():
@@ -26,6 +26,9 @@ def test_tpu_node_probe_is_tcp_reachability_of_the_grpc_address():
 
 
 def test_tpu_vm_probe_sees_devices_and_who_holds_the_libtpu_lock(tmp_path):
+    """libtpu's lock is a POSIX lock (lockf) on its lock file, seen in /proc/locks; a file that
+    is only open, or left behind, is free. A process with a chip's device file open uses the
+    TPU (what libtpu names in "already in use by process with pid N")."""
     dev = tmp_path / "accel0"
     lock = tmp_path / "libtpu_lockfile"
     globs = (str(tmp_path / "accel*"),)
@@ -33,22 +36,21 @@ def test_tpu_vm_probe_sees_devices_and_who_holds_the_libtpu_lock(tmp_path):
     assert r.state == "unavailable" and "no TPU device files" in r.detail
     dev.write_text("")
     assert probes.probe_tpu_vm(globs, str(lock)).state == "ok"
-    lock.write_text("")
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\n"
-                               f"f = open({str(lock)!r}); print('held', flush=True)\n"
-                               "time.sleep(60)"], stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout.readline().strip() == "held"
-        assert probes.lock_holders(str(lock)) == [holder.pid]
+    lock.write_text("")  # left behind by a worker that is gone: libtpu's lockf takes it
+    with held(f"f = open({str(lock)!r})"):
         r = probes.probe_tpu_vm(globs, str(lock))
-        assert r.state == "busy" and str(holder.pid) in r.detail and "python -c" in r.detail
+        assert r.state == "ok" and r.detail.endswith(f"the TPU is free (no lock on {lock})")
+    with held(lockf(lock)) as holder:
+        assert tpuvm.lock_holders(str(lock)) == [holder.pid]
+        r = probes.probe_tpu_vm(globs, str(lock))
+        assert r.state == "busy" and f"pid {holder.pid} (" in r.detail and "python -c" in r.detail
         # our own worker (its process group) holding it is not "busy"
         own = probes.probe_tpu_vm(globs, str(lock), own_pgid=os.getpgid(holder.pid))
         assert own.state == "ok"
-    finally:
-        holder.kill()
-        holder.wait()
-    assert probes.probe_tpu_vm(globs, str(lock)).state == "ok"
+    assert probes.probe_tpu_vm(globs, str(lock)).state == "ok"  # the kernel dropped its lock
+    with held(f"f = open({str(dev)!r})") as user:
+        r = probes.probe_tpu_vm(globs, str(lock))
+        assert r.state == "busy" and f"pid {user.pid} (" in r.detail
 
 
 def _fake_nvidia_smi(tmp_path, script: str) -> dict:
@@ -89,15 +91,17 @@ def test_wait_until_ok_backs_off_exponentially_and_stops_at_the_timeout():
     assert not r.ok and count >= 3 and 0.5 <= waited < 3 and time.monotonic() - t0 < 3
 
 
-def test_a_tpu_vm_s_local_chips_win_over_a_stale_tpu_node_address(monkeypatch):
+def test_a_tpu_vm_s_local_chips_win_over_a_stale_tpu_node_address(monkeypatch, tmp_path):
     """Colab's TPU runtimes are TPU VMs now: an old COLAB_TPU_ADDR left in the environment must
     not send the worker to a gRPC node (doctor checks in the same order)."""
     from orchestrator.train import accelerators
 
     monkeypatch.delenv("TPU_NAME", raising=False)
     monkeypatch.setenv("COLAB_TPU_ADDR", "10.0.0.2:8470")
-    monkeypatch.setattr(accelerators.glob, "glob", lambda pattern: ["/dev/accel0"])
-    assert accelerators.tpu_address() == "local"
-    monkeypatch.setattr(accelerators.glob, "glob", lambda pattern: [])
-    monkeypatch.setattr(accelerators.os.path, "isdir", lambda p: False)
+    monkeypatch.setattr(tpuvm, "DEVICE_GLOBS", (str(tmp_path / "accel*"),
+                                                str(tmp_path / "vfio" / "[0-9]*")))
+    (tmp_path / "vfio").mkdir()
+    (tmp_path / "vfio" / "vfio").write_text("")  # the VFIO container node: no TPU
     assert accelerators.tpu_address() == "grpc://10.0.0.2:8470"
+    (tmp_path / "vfio" / "0").write_text("")  # a v5e chip's group
+    assert accelerators.tpu_address() == "local"

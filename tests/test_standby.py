@@ -111,16 +111,20 @@ def test_standby_off_starts_none(fake_job):
         "standby: off", "standby: off"]
 
 
-@pytest.mark.parametrize("setting, strategy, accelerator, mode", [
-    ("auto", "cpu", "cpu", WARM),
-    ("auto", "gpu", "gpu", WARM),
-    ("auto", "tpu", "tpu_node", IMPORT_ONLY),
-    ("auto", "tpu", "tpu_vm", None),
-    ("import_only", "cpu", "cpu", IMPORT_ONLY),
-    ("off", "cpu", "cpu", None),
+@pytest.mark.parametrize("setting, strategy, accelerator, backend, mode", [
+    ("auto", "cpu", "cpu", "tensorflow", WARM),
+    ("auto", "gpu", "gpu", "jax", WARM),
+    ("auto", "tpu", "tpu_node", "tensorflow", IMPORT_ONLY),
+    ("auto", "tpu", "tpu_vm", "tensorflow", None),       # importing TensorFlow takes libtpu
+    ("import_only", "tpu", "tpu_vm", "tensorflow", None),  # ... even when asked for
+    ("auto", "tpu", "tpu_vm", "jax", IMPORT_ONLY),       # JAX takes it at its first device query
+    ("import_only", "tpu", "tpu_vm", "jax", IMPORT_ONLY),
+    ("off", "tpu", "tpu_vm", "jax", None),
+    ("import_only", "cpu", "cpu", "tensorflow", IMPORT_ONLY),
+    ("off", "cpu", "cpu", "tensorflow", None),
 ])
-def test_the_mode_per_setting_and_strategy(setting, strategy, accelerator, mode):
-    assert mode_for(setting, strategy, accelerator)[0] == mode
+def test_the_mode_per_setting_strategy_and_backend(setting, strategy, accelerator, backend, mode):
+    assert mode_for(setting, strategy, accelerator, backend)[0] == mode
 
 
 def test_a_standby_is_unfit_when_the_next_attempt_s_settings_changed(tmp_path):

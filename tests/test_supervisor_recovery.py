@@ -108,6 +108,37 @@ def test_accelerator_context_restarts_then_reinitialises(fake_job, tmp_path):
     assert _overrides(tmp_path, 3)["ORCHESTRATOR_REINIT_ACCELERATOR"] == "1"
 
 
+def test_accelerator_context_on_jax_clears_a_stale_libtpu_lock_instead(fake_job, tmp_path,
+                                                                       monkeypatch):
+    """On JAX the reinit rung is the supervisor's: a lock file no process holds is removed (a
+    temp file here, standing in for /tmp/libtpu_lockfile), the journal says so, and the next
+    worker gets no TensorFlow TPU-system shutdown. libtpu's words, as JAX raises them with the
+    TPU platform named (openxla tpu_initialize_util.cc; jax xla_bridge.backends)."""
+    from orchestrator.core import tpuvm
+
+    lock = tmp_path / "libtpu_lockfile"
+    lock.write_text("")
+    monkeypatch.setattr(tpuvm, "lock_files", lambda: [str(lock)])
+    monkeypatch.setattr(tpuvm, "DEVICE_GLOBS", (str(tmp_path / "no-chip*"),))
+    stale = {"type": "RuntimeError", "message": (
+        "Unable to initialize backend 'tpu': ABORTED: Internal error when accessing libtpu "
+        "multi-process lockfile. The potential lock file locations are '/tmp/libtpu_lockfile' "
+        "and '/tmp/libtpu_lock_0'. You can attempt to remove them with: \"$ rm "
+        "/tmp/libtpu_lockfile\" and \"$ rm -rf /tmp/libtpu_lock_0\". Note: Only remove these "
+        "files if you are certain no other legitimate process is using the TPU. (set "
+        "JAX_PLATFORMS='' to automatically choose an available backend)")}
+    rc, out, events = _run(fake_job(epochs=2, restarts=FAST, extra="backend: jax"),
+                           {"error": {"1": stale, "2": stale}})
+    assert rc == 0, out
+    assert [k for k, _ in _kinds(events)] == ["accelerator_context"] * 2
+    assert _actions(events) == ["restart", "reinit_accelerator"]
+    reinit = _ev(events, "recovery")[1]
+    assert reinit["libtpu_lock"] == [{"path": str(lock), "action": "removed", "why": (
+        "no process holds a lock on it (/proc/locks) and none has a TPU device open")}]
+    assert not lock.exists()
+    assert "ORCHESTRATOR_REINIT_ACCELERATOR" not in _overrides(tmp_path, 3)
+
+
 def test_accelerator_unavailable_waits_for_the_accelerator(fake_job):
     rc, out, events = _run(fake_job(epochs=2, restarts=FAST),
                            faults=["raise=accelerator_unavailable@step=3"])

@@ -31,7 +31,9 @@ CPU_DEVICES_ENV = "ORCHESTRATOR_CPU_DEVICES"
 # What the supervisor tells the next worker attempt (recovery actions), by environment.
 ENV_STRATEGY = "ORCHESTRATOR_STRATEGY"          # strategy fallback: tpu|gpu|cpu
 ENV_BATCH_SIZE = "ORCHESTRATOR_BATCH_SIZE"      # per-replica batch after halving on OOM
-ENV_REINIT = "ORCHESTRATOR_REINIT_ACCELERATOR"  # "1": shut down + initialise the TPU system
+# "1": shut down + initialise the TPU system (TensorFlow; on JAX a new process is a fresh
+# context and the supervisor clears a stale libtpu lock instead: never set)
+ENV_REINIT = "ORCHESTRATOR_REINIT_ACCELERATOR"
 # Several workers: every rank restores exactly this step (none: start afresh), so that no rank
 # resumes from a checkpoint another rank cannot see (supervise/group.py).
 ENV_RESTORE_STEP = "ORCHESTRATOR_RESTORE_STEP"

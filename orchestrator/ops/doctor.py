@@ -1,20 +1,16 @@
 """``orchestrator doctor``: what this runtime offers, and what would make a run fail.
 
-Checks, each ``ok``, ``warn`` or ``fail``: the TensorFlow distribution(s) installed (read with
-importlib.metadata, without importing TensorFlow here) and, in a probe subprocess, whether that
-TensorFlow imports and has TPU kernels (``ConfigureDistributedTPU``, the op a plain
-``tensorflow`` installed over ``tensorflow-tpu`` loses); the accelerator in sight (TPU VM, the
-legacy TPU node, GPU or none, with ``probes``, which never touch the chip) and whether it
-answers; on a TPU VM, the software it needs: today's Colab TPU runtimes (v5e-1, v2-8) are TPU VMs
-that ship no TensorFlow, so ``tensorflow-tpu`` and its ``libtpu`` must be installed from the
-libtpu index (``TPU_INSTALL``) and the check says so with the exact line; the
-run directory (on a mounted Drive? writable?), free disk and memory, and pip (for the
-reinstall action). Given a job, the job's own code too, in a probe process of its own
-(``python -m orchestrator.train.jobcheck``): its modules import, its factories resolve and take
-their args, Keras knows its compile identifiers, its model builds, compiles and takes a batch
-of its data through the first step's loss; a mistake is named by its key (``compile.optimizer``)
-before any training, where a worker would stop on it after one attempt. Exit status 1 when a
-run would fail.
+Checks, each ``ok``, ``warn`` or ``fail``: on TensorFlow, the distribution(s) installed (read
+with importlib.metadata, not imported here) and, in a probe subprocess, whether it imports and
+has TPU kernels (``ConfigureDistributedTPU``, lost when plain ``tensorflow`` is installed over
+``tensorflow-tpu``); the accelerator in sight (TPU VM, legacy TPU node, GPU or none, with
+``probes``, which never touch the chip) and whether it answers; on a TPU VM, libtpu (and
+``tensorflow-tpu`` on TensorFlow). Colab's TPU runtimes ship JAX and no TensorFlow, so on JAX
+nothing imports TensorFlow, not even a probe, and no TensorFlow install is advised. Then the run
+directory (on a mounted Drive? writable?), free disk and memory, pip. Given a job, its own code
+in a probe process (``python -m orchestrator.train.jobcheck``, on the CPU): modules, factories,
+compile identifiers, a model that builds and takes a batch through the first step's loss; a
+mistake is named by its key before any training. Exit status 1 when a run would fail.
 """
 from __future__ import annotations
 
@@ -29,6 +25,7 @@ import tempfile
 import uuid
 from dataclasses import asdict, dataclass
 
+from orchestrator.core import backends
 from orchestrator.core.osutil import read_json
 from orchestrator.recovery import probes
 
@@ -41,6 +38,12 @@ TPU_DISTRIBUTIONS = ("tensorflow-tpu", "tf-nightly-tpu", "libtpu", "libtpu-night
 # (googlecolab/colabtools#5164): libtpu's release index holds the libtpu that tensorflow-tpu pins.
 LIBTPU_INDEX = "https://storage.googleapis.com/libtpu-tf-releases/index.html"
 TPU_INSTALL = f"pip install tensorflow-tpu -f {LIBTPU_INDEX}"
+# ... which stopped being a way back: no tensorflow-tpu fits the JAX those images ship
+# (googlecolab/colabtools#5174), and the 2.18 pin stopped working on 2025-06-24 (#5419).
+# Keras trains on their JAX; this is said first, the line above only for TPU VMs elsewhere.
+TPU_ON_JAX = ("on Colab's TPU runtimes train on JAX, which they ship (`backend: jax`, or "
+              "`auto`, which takes JAX where TensorFlow is not installed): no tensorflow-tpu "
+              "fits their JAX (colabtools#5174, #5419); on another TPU VM: " + TPU_INSTALL)
 DRIVE_ROOT = "/content/drive"
 MIN_DISK_GB, LOW_DISK_GB, LOW_MEMORY_GB = 1.0, 5.0, 1.0
 PROBE_TIMEOUT_S = 300
@@ -108,7 +111,10 @@ def tensorflow_probe(python: str = sys.executable, devices: bool = True,
 def _probe_env(base=None) -> dict:
     base = dict(os.environ if base is None else base)
     paths = [REPO_ROOT] + [p for p in base.get("PYTHONPATH", "").split(os.pathsep) if p]
-    return dict(base, PYTHONPATH=os.pathsep.join(paths), TF_CPP_MIN_LOG_LEVEL="3")
+    # a check of the job's code, not of the device: on a TPU VM, JAX in the probe would take
+    # the chip (libtpu admits one process) from a run that is about to start, or is running
+    return dict(base, PYTHONPATH=os.pathsep.join(paths), TF_CPP_MIN_LOG_LEVEL="3",
+                JAX_PLATFORMS="cpu")
 
 
 def check_job_code(job_path: str, python: str = sys.executable,
@@ -139,9 +145,9 @@ def check_tensorflow(dists: dict, probe: dict | None, wants_tpu: bool) -> list[C
     tpu_static = any(k in TPU_DISTRIBUTIONS for k in dists)
     listed = ", ".join(f"{k} {v}" for k, v in sorted(tf.items()))
     if not tf:
-        how = (f"on this TPU runtime: {TPU_INSTALL} (never plain tensorflow)" if wants_tpu else
-               "install orchestrator[cpu] or [tensorflow]; on a TPU runtime "
-               f"{TPU_INSTALL}, never plain tensorflow")
+        how = (f"{TPU_ON_JAX} (never plain tensorflow)" if wants_tpu else
+               "install orchestrator[cpu] or [tensorflow]; "
+               f"{TPU_ON_JAX} (never plain tensorflow)")
         return [Check("tensorflow", FAIL, "no TensorFlow distribution is installed for "
                       f"{sys.executable}: {how}")]
     out = []
@@ -174,8 +180,8 @@ def check_tensorflow(dists: dict, probe: dict | None, wants_tpu: bool) -> list[C
               "no TPU kernels (no ConfigureDistributedTPU): fine off TPU") + f" ({how})"
     if level == FAIL:
         detail = ("no TPU kernels but a TPU is in sight and the job may use it: the run would "
-                  "fail with No OpKernel ... 'ConfigureDistributedTPU'; uninstall tensorflow "
-                  f"and {TPU_INSTALL}") + f" ({how})"
+                  f"fail with No OpKernel ... 'ConfigureDistributedTPU'; {TPU_ON_JAX}, after "
+                  "uninstalling tensorflow") + f" ({how})"
     out.append(Check("tpu kernels", level, detail))
     return out
 
@@ -210,23 +216,37 @@ def find_libtpu(env, search=None) -> str | None:
     return None
 
 
+def jax_tpu_install(dists: dict) -> str:
+    """The line that puts libtpu back beside this JAX: ``jax[tpu]`` at the installed jax's own
+    version, so pip adds the libtpu that release pins and never replaces the image's jax."""
+    pin = f"=={dists['jax']}" if dists.get("jax") else ""
+    return f"pip install 'jax[tpu]{pin}'"
+
+
 def check_tpu_software(found: probes.ProbeResult, dists: dict, libtpu: str | None,
-                       wants_tpu: bool) -> list[Check]:
-    """On a TPU VM: tensorflow-tpu and libtpu installed? (Nothing to say elsewhere.)"""
+                       wants_tpu: bool, backend: str = backends.TENSORFLOW) -> list[Check]:
+    """On a TPU VM: libtpu installed, and on TensorFlow tensorflow-tpu? (Nothing to say
+    elsewhere.) On JAX, libtpu is the whole TPU software: Colab's image ships it, and
+    tensorflow-tpu is not needed, nor advised."""
     if found.accelerator != "tpu_vm":
         return []
     bad = FAIL if wants_tpu else WARN
-    tpu_tf = {k: v for k, v in dists.items() if k in ("tensorflow-tpu", "tf-nightly-tpu")}
-    out = [Check("tensorflow-tpu", OK, ", ".join(f"{k} {v}" for k, v in tpu_tf.items()))
-           if tpu_tf else
-           Check("tensorflow-tpu", bad, "this TPU VM has no tensorflow-tpu (Colab's TPU runtimes "
-                 f"ship no TensorFlow; plain tensorflow has no TPU kernels): {TPU_INSTALL}")]
+    out = []
+    if backend != backends.JAX:
+        tpu_tf = {k: v for k, v in dists.items() if k in ("tensorflow-tpu", "tf-nightly-tpu")}
+        out.append(Check("tensorflow-tpu", OK, ", ".join(f"{k} {v}" for k, v in tpu_tf.items()))
+                   if tpu_tf else
+                   Check("tensorflow-tpu", bad, "this TPU VM has no tensorflow-tpu (Colab's TPU "
+                         "runtimes ship no TensorFlow; plain tensorflow has no TPU kernels): "
+                         + TPU_ON_JAX))
     libs = {k: v for k, v in dists.items() if k in ("libtpu", "libtpu-nightly")}
     version = ", ".join(f"{k} {v}" for k, v in libs.items())
+    who, how = (("JAX", jax_tpu_install(dists)) if backend == backends.JAX else
+                ("TensorFlow", TPU_ON_JAX))
     out.append(Check("libtpu", OK, f"{libtpu}" + (f" ({version})" if version else ""))
                if libtpu else
                Check("libtpu", bad, "no libtpu.so for this Python (TPU_LIBRARY_PATH unset, no "
-                     f"libtpu package): TensorFlow cannot open the chips; {TPU_INSTALL}"))
+                     f"libtpu package): {who} cannot open the chips; {how}"))
     return out
 
 
@@ -323,19 +343,23 @@ def check_pip(python: str = sys.executable) -> Check:
 
 def check_runtime(run_dir: str, strategy: str = "auto", env=None, run_probe: bool = True,
              python: str = sys.executable, drive_root: str = DRIVE_ROOT,
-             ismount=os.path.ismount) -> list[Check]:
-    """All checks, in the order a person reads them."""
+             ismount=os.path.ismount, backend: str | None = None) -> list[Check]:
+    """All checks, in the order a person reads them. ``backend``: the run's (a job's
+    ``spec.backend``); None: what ``backend: auto`` resolves to here. On JAX nothing here
+    imports TensorFlow, not even in a probe: on a TPU VM that would load libtpu."""
     env = dict(os.environ if env is None else env)
+    backend = backend or backends.resolve(backends.AUTO, env)[0]
     found = find_accelerator(env)
     wants_tpu = found.accelerator.startswith("tpu") and strategy in ("auto", "tpu")
-    dists = installed_distributions(TF_DISTRIBUTIONS + TPU_DISTRIBUTIONS)
+    dists = installed_distributions(TF_DISTRIBUTIONS + TPU_DISTRIBUTIONS + ("jax",))
     tf_installed = any(k in TF_DISTRIBUTIONS for k in dists)
+    on_tf = backend != backends.JAX
     probe = (tensorflow_probe(python, devices=not found.accelerator.startswith("tpu"))
-             if run_probe and tf_installed else None)
+             if run_probe and tf_installed and on_tf else None)
     checks = [Check("python", OK, f"{sys.version.split()[0]} ({python})")]
-    checks += check_tensorflow(dists, probe, wants_tpu)
+    checks += check_tensorflow(dists, probe, wants_tpu) if on_tf else []
     checks += check_accelerator(found, strategy, probe)
-    checks += check_tpu_software(found, dists, find_libtpu(env), wants_tpu)
+    checks += check_tpu_software(found, dists, find_libtpu(env), wants_tpu, backend)
     checks += check_run_dir(run_dir, env, drive_root, ismount)
     checks.append(check_memory())
     checks.append(check_pip(python))
@@ -354,11 +378,13 @@ def run(job: str | None = None, run_dir: str | None = None, **kw) -> list[Check]
             first.append(Check("job", FAIL, str(exc)))
         else:
             strategy, run_dir = spec.strategy, spec.run_dir
+            kw.setdefault("backend", spec.backend)
             first.append(Check("job", OK, f"{spec.job_path}: strategy {strategy}, "
                                f"{spec.epochs} epochs"))
     checks = first + check_runtime(run_dir or os.getcwd(), strategy, **kw)
     if spec is not None and kw.get("run_probe", True):
-        if not any(c.name == "tensorflow import" and c.level == OK for c in checks):
+        if spec.backend != backends.JAX and not any(
+                c.name == "tensorflow import" and c.level == OK for c in checks):
             checks.append(Check("job code", WARN, "not checked: TensorFlow does not import"))
         else:
             checks.append(check_job_code(spec.job_path, kw.get("python", sys.executable)))

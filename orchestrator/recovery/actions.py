@@ -3,7 +3,9 @@
 policy.py decides; this module does: it keeps the overrides the actions set (halved batch,
 fallen-back strategy, reinitialise once, reinstalls done), says which actions can apply now,
 runs the waits and the reinstall (of the run's backend: TensorFlow, or jax/jaxlib/libtpu), and
-turns the overrides into the next worker's environment.
+turns the overrides into the next worker's environment. Reinitialising the accelerator is the
+worker's on TensorFlow (it shuts the TPU system down first) and the supervisor's on JAX (a
+stale libtpu lock file cleared, core/tpuvm.py).
 The overrides are rebuilt from the journal's ``recovery`` events, so they outlive a supervisor.
 Which actions apply is read from state only (what the last worker ran on, what the last probe
 saw): the policy asks while deciding, and a decision never waits on a probe.
@@ -13,6 +15,8 @@ from __future__ import annotations
 
 from typing import Callable
 
+from orchestrator.core import tpuvm
+from orchestrator.core.backends import JAX
 from orchestrator.recovery import probes
 from orchestrator.recovery.policy import Decision, next_strategy
 from orchestrator.recovery.reinstall import reinstall
@@ -108,6 +112,12 @@ class Remedies:
     def apply(self, d: Decision, env: dict) -> tuple[str, dict]:
         """Carry out ``d`` before the next attempt; returns (detail, extra journal fields)."""
         if d.action == Action.REINIT_ACCELERATOR:
+            if self.spec.backend == JAX:
+                # a new JAX process is a fresh TPU context; what can outlive a worker is
+                # libtpu's lock file, which goes only when no process holds it
+                detail, records = tpuvm.clear_stale_locks()
+                return (f"the next attempt is a fresh JAX process; libtpu lock: {detail}",
+                        {"libtpu_lock": records})
             self._reinit_next = True
             return "the next attempt shuts down and initialises the accelerator system", {}
         if d.action == Action.HALVE_BATCH:

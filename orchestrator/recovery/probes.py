@@ -2,12 +2,12 @@
 
 The supervisor must never hold the accelerator (on a TPU VM, libtpu takes a lock file and a
 second process cannot initialise it), so it looks from outside: a TPU node by TCP reachability
-of its gRPC address, a TPU VM by its device files and who holds the libtpu lock, a GPU by
+of its gRPC address, a TPU VM by its device files and who holds libtpu's lock or a chip
+(core/tpuvm.py: ``/proc/locks`` and ``/proc/*/fd``, not the lock file itself), a GPU by
 ``nvidia-smi``, a CPU always. ``wait_until_ok`` probes with exponential backoff (tenacity).
 """
 from __future__ import annotations
 
-import glob
 import os
 import shutil
 import socket
@@ -18,9 +18,10 @@ from typing import Callable
 
 from tenacity import Retrying, retry_if_result, stop_after_delay, wait_exponential
 
+from orchestrator.core import tpuvm
+
 OK, UNAVAILABLE, BUSY = "ok", "unavailable", "busy"
-TPU_DEVICE_GLOBS = ("/dev/accel*", "/dev/vfio/[0-9]*")
-LIBTPU_LOCK = "/tmp/libtpu_lockfile"
+TPU_DEVICE_GLOBS = tpuvm.DEVICE_GLOBS
 
 
 @dataclass(frozen=True)
@@ -55,42 +56,32 @@ def probe_tpu_node(host: str, port: int, timeout: float = 3.0) -> ProbeResult:
         return ProbeResult("tpu_node", UNAVAILABLE, f"{host}:{port}: {exc}")
 
 
-def lock_holders(path: str) -> list[int]:
-    """Pids that have ``path`` open (from /proc/*/fd; processes we may inspect)."""
-    target = os.path.realpath(path)
-    pids = []
-    for fd_dir in glob.glob("/proc/[0-9]*/fd"):
-        try:
-            links = os.listdir(fd_dir)
-        except OSError:
-            continue  # gone, or another user's
-        for fd in links:
-            try:
-                if os.readlink(os.path.join(fd_dir, fd)) == target:
-                    pids.append(int(fd_dir.split("/")[2]))
-                    break
-            except OSError:
-                continue  # closed meanwhile
-    return sorted(pids)
-
-
-def probe_tpu_vm(device_globs=TPU_DEVICE_GLOBS, lockfile: str = LIBTPU_LOCK,
-                 own_pgid: int | None = None) -> ProbeResult:
-    devices = sorted(p for g in device_globs for p in glob.glob(g))
+def probe_tpu_vm(device_globs=TPU_DEVICE_GLOBS, lockfile: str | None = None,
+                 own_pgid: int | None = None, proc_locks: str = tpuvm.PROC_LOCKS) -> ProbeResult:
+    """Device files, then who holds the TPU: a lock on libtpu's lock file (``/proc/locks``) or
+    a chip's device file open, by a process other than our own worker's group. A lock file
+    nobody holds is free: libtpu's ``lockf`` takes it. Never the JAX or TensorFlow import,
+    which would take the TPU from the worker."""
+    devices = tpuvm.device_files(device_globs)
     if not devices:
         return ProbeResult("tpu_vm", UNAVAILABLE, f"no TPU device files ({', '.join(device_globs)})")
+    use = tpuvm.tpu_use(device_globs, None if lockfile is None else [lockfile], proc_locks)
     holders = []
-    for pid in lock_holders(lockfile) if os.path.exists(lockfile) else []:
+    for pid in use.holders():
         try:
-            if own_pgid is not None and os.getpgid(pid) == own_pgid:
+            if own_pgid is not None and pid > 0 and os.getpgid(pid) == own_pgid:
                 continue  # our own worker holds it: that is the point
         except ProcessLookupError:
             continue
         holders.append(pid)
+    chips = tpuvm.pci_chips()
+    seen = f"{len(devices)} device file(s)" + (f", {' '.join(chips)} on PCI" if chips else "")
     if holders:
-        return ProbeResult("tpu_vm", BUSY, f"{lockfile} is held by pid(s) "
-                           f"{', '.join(map(str, holders))} ({_cmdline(holders[0])})")
-    return ProbeResult("tpu_vm", OK, f"{len(devices)} device file(s), {lockfile} free")
+        return ProbeResult("tpu_vm", BUSY, f"{seen}; the TPU is held by "
+                           + ", ".join(use.describe(p) if p > 0 else "an open-file-description "
+                                       "lock" for p in holders))
+    left = f"no lock on {', '.join(use.locks)}" if use.locks else "no libtpu lock file"
+    return ProbeResult("tpu_vm", OK, f"{seen}; the TPU is free ({left})")
 
 
 def probe_gpu(env=None, timeout: float = 20.0) -> ProbeResult:
@@ -122,7 +113,7 @@ def for_strategy(strategy: str, env=None, own_pgid: Callable[[], int | None] = l
     env = dict(os.environ if env is None else env)
     node = tpu_node_address(env)
     tpu_named = bool(env.get("TPU_NAME") or env.get("COLAB_TPU_ADDR"))  # e.g. TPU_NAME=local
-    has_tpu_vm = tpu_named or any(glob.glob(g) for g in TPU_DEVICE_GLOBS)
+    has_tpu_vm = tpu_named or bool(tpuvm.device_files())
     if strategy in ("auto", "tpu") and node:
         return lambda: probe_tpu_node(*node)
     if strategy == "tpu" or (strategy == "auto" and has_tpu_vm):
@@ -149,11 +140,3 @@ def wait_until_ok(probe: Callable[[], ProbeResult], initial: float, maximum: flo
                         retry_error_callback=lambda rs: rs.outcome.result())
     result = retrying(once)
     return result, round(time.monotonic() - t0, 3), count[0]
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()[:120]
-    except OSError:
-        return "command unknown"

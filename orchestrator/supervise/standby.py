@@ -27,6 +27,7 @@ import subprocess
 import time
 from typing import Callable
 
+from orchestrator.core.backends import JAX, TENSORFLOW
 from orchestrator.core.events import Event
 from orchestrator.core.journal import Journal
 from orchestrator.core.kinds import Action
@@ -36,26 +37,35 @@ from orchestrator.recovery.failures import read_tail
 from orchestrator.supervise.attempt import spawn, watch_exit
 
 WARM = "warm"                # imported, built, compiled, traced
-IMPORT_ONLY = "import_only"  # imported TensorFlow only (a TPU the active worker holds)
+IMPORT_ONLY = "import_only"  # imported the framework only (a TPU the active worker holds)
 
 
-def mode_for(setting: str, strategy: str, accelerator: str | None) -> tuple[str | None, str]:
-    """The standby mode for the job's ``standby`` setting on this strategy (tpu|gpu|cpu) and
-    the accelerator the last probe saw, with why; None: no standby.
+def mode_for(setting: str, strategy: str, accelerator: str | None,
+             backend: str = TENSORFLOW) -> tuple[str | None, str]:
+    """The standby mode for the job's ``standby`` setting on this strategy (tpu|gpu|cpu), the
+    accelerator the last probe saw and the run's backend, with why; None: no standby.
 
     ``auto``: CPU and GPU get a full warm standby (on a GPU both workers use memory growth).
     A TPU node (reached over gRPC) admits one client session that initialises it, so its standby
-    only imports TensorFlow. On a TPU VM, libtpu is loaded when TensorFlow is imported and only
-    one process may hold it: a standby that imported TensorFlow beside the training worker
-    would have no TPU when promoted, so there is none."""
+    only imports TensorFlow. On a TPU VM only one process may hold libtpu: TensorFlow loads it
+    when it is imported, so a TensorFlow standby beside the training worker would have no TPU
+    when promoted, and there is none, even when asked for. JAX loads libtpu only at its first
+    device query (``jax.devices()``, the first array), so a JAX standby imports JAX and Keras
+    and nothing more (train/standby.py's import-only path; tests/test_tpuvm.py proves that no
+    JAX backend is initialised there), and the rest of its start-up is the compile cache's."""
+    on_tpu_vm = strategy == "tpu" and accelerator != "tpu_node"
     if setting == "off":
         return None, "standby: off"
+    if on_tpu_vm and backend != JAX:
+        return None, f"{setting} on a TPU VM with TensorFlow: importing it takes libtpu, " \
+                     f"which admits one process"
     if setting == IMPORT_ONLY:
         return IMPORT_ONLY, "standby: import_only"
     if strategy == "tpu":
         if accelerator == "tpu_node":
             return IMPORT_ONLY, "auto on a TPU node: TensorFlow imported only"
-        return None, "auto on a TPU VM: libtpu admits one process"
+        return IMPORT_ONLY, "auto on a TPU VM with JAX: JAX and Keras imported only (libtpu " \
+                            "is loaded at the first device query, by the promoted worker)"
     return WARM, f"auto on {strategy}"
 
 
@@ -153,7 +163,8 @@ class Keeper:
             return None, "no standby with this worker command"
         if self.spec.workers > 1 or self.spec.engine != "local":
             return None, "several workers (a group) have no standby"
-        return mode_for(self.spec.standby, self.strategy(), self.accelerator())
+        return mode_for(self.spec.standby, self.strategy(), self.accelerator(),
+                        self.spec.backend)
 
     def start(self, for_attempt: int) -> None:
         """Behind a worker that trains (its start-up done), when the job and strategy allow."""

@@ -5,8 +5,9 @@ the supervisor still never calls into it.
 """
 from __future__ import annotations
 
-import glob
 import os
+
+from orchestrator.core import tpuvm
 
 
 class AcceleratorUnavailable(RuntimeError):
@@ -23,7 +24,7 @@ def tpu_address() -> str | None:
     """
     if os.environ.get("TPU_NAME"):
         return os.environ["TPU_NAME"]
-    if glob.glob("/dev/accel*") or os.path.isdir("/dev/vfio") and os.listdir("/dev/vfio"):
+    if tpuvm.device_files():  # /dev/vfio/N, not /dev/vfio/vfio (any VFIO host has that one)
         return "local"
     addr = os.environ.get("COLAB_TPU_ADDR")
     if addr:

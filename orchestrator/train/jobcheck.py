@@ -17,6 +17,7 @@ import sys
 import time
 import traceback
 
+from orchestrator.core.backends import ENV_BACKEND
 from orchestrator.core.osutil import write_json_atomic
 from orchestrator.core.rundir import EXIT_CONFIG
 from orchestrator.core.spec import SpecError, load

@@ -13,6 +13,7 @@ What differs from TensorFlow, and why:
   at the next step.
 - **Devices are set by the environment before JAX initialises its backend**: a CPU split
   (``--xla_force_host_platform_device_count``), ``JAX_PLATFORMS=cpu`` for ``strategy: cpu``,
+  ``tpu,cpu`` on a TPU VM (unnamed, a TPU that fails to open is skipped for the CPU, quietly),
   no preallocation of 75 % of a GPU when a standby shares it, XLA's deterministic GPU ops for
   ``deterministic: true``. Several devices train under ``keras.distribution.DataParallel``
   (one replica per device); the last partial batch is dropped there, as on a TPU, because it
@@ -112,10 +113,19 @@ class JaxBackend:
     def configure(self, spec, cpu_devices: str | None, standby: bool) -> None:
         """Before JAX initialises its backend (its first device query): the environment is all
         it reads then."""
+        from orchestrator.core import tpuvm
+        from orchestrator.core.rundir import ENV_STRATEGY
+
         if cpu_devices and int(cpu_devices) > 1:
             _add_xla_flags(f"{_CPU_SPLIT_FLAG}={int(cpu_devices)}")
-        if spec.strategy == "cpu":
+        strategy = os.environ.get(ENV_STRATEGY) or spec.strategy  # a fallback's, if any
+        if strategy == "cpu":
             os.environ["JAX_PLATFORMS"] = "cpu"
+        elif strategy in ("auto", "tpu") and tpuvm.device_files():
+            # JAX skips a TPU that fails to initialise and trains on the CPU, quietly, unless
+            # the platform is named: a TPU held by another process must fail this attempt
+            # with libtpu's own words, for the supervisor to classify and recover
+            os.environ.setdefault("JAX_PLATFORMS", "tpu,cpu")
         if standby:  # a standby beside the worker: neither takes 75 % of the GPU up front
             os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
         if spec.deterministic:
