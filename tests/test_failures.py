@@ -178,3 +178,16 @@ def test_diagnose_knows_an_unknown_optimizer_is_the_jobs_without_the_job():
 def test_diagnose_of_a_missing_file_is_a_clear_error(tmp_path):
     rc, out, err = _diagnose([str(tmp_path / "nope.log")])
     assert rc == 2 and "nope.log: cannot read" in err and "Traceback" not in err
+
+
+def test_a_tpu_held_by_another_process_is_busy_even_inside_jax_s_backend_error():
+    """JAX wraps libtpu's sentence in "Unable to initialize backend 'tpu': ..." and appends
+    its advice after it: the held TPU (wait for it) must win over a broken backend."""
+    held = ("RuntimeError: Unable to initialize backend 'tpu': ABORTED: The TPU is already in "
+            "use by process with pid 4242. Not attempting to load libtpu.so in this process. "
+            "(set JAX_PLATFORMS='' to automatically choose an available backend)")
+    broken = ("RuntimeError: Unable to initialize backend 'cuda': FAILED_PRECONDITION: No "
+              "visible GPU devices. (set JAX_PLATFORMS='' to automatically choose an "
+              "available backend)")
+    assert failures.match_text(held).signature.kind == "accelerator_busy"
+    assert failures.match_text(broken).signature.kind == "accelerator_context"
