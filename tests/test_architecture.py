@@ -1,10 +1,12 @@
 """The two-process design as checked contracts (pyproject.toml [tool.importlinter]): only
-train/ imports TensorFlow or Keras, at module level or inside a function; the supervisor's
+train/ imports TensorFlow, JAX or Keras, at module level or inside a function; the supervisor's
 side never imports train/; the packages depend one way."""
 import os
 import shutil
 import subprocess
 import sys
+
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -23,13 +25,15 @@ def test_import_contracts_hold():
     assert "0 broken" in p.stdout
 
 
-def test_a_tensorflow_import_inside_a_supervisor_function_breaks_the_contract(tmp_path):
+@pytest.mark.parametrize("framework", ["tensorflow", "jax"])
+def test_a_framework_import_inside_a_supervisor_function_breaks_the_contract(tmp_path,
+                                                                              framework):
     # the same contracts over a copy of the package with one function-level import added
     pkg = tmp_path / "src" / "orchestrator"
     shutil.copytree(os.path.join(ROOT, "orchestrator"), pkg,
                     ignore=shutil.ignore_patterns("__pycache__"))
     target = pkg / "supervise" / "hangs.py"
-    target.write_text(target.read_text() + "\n\ndef _sneaky():\n    import tensorflow\n")
+    target.write_text(target.read_text() + f"\n\ndef _sneaky():\n    import {framework}\n")
     config = tmp_path / "pyproject.toml"
     shutil.copy(os.path.join(ROOT, "pyproject.toml"), config)
     exe = shutil.which("lint-imports", path=os.path.dirname(sys.executable)) or \
@@ -38,7 +42,7 @@ def test_a_tensorflow_import_inside_a_supervisor_function_breaks_the_contract(tm
                        text=True, cwd=tmp_path / "src",
                        env=dict(os.environ, PYTHONPATH=str(tmp_path / "src")))
     assert p.returncode != 0, p.stdout + p.stderr
-    assert "orchestrator.supervise.hangs -> tensorflow" in p.stdout
+    assert f"orchestrator.supervise.hangs -> {framework}" in p.stdout
 
 
 def test_every_journal_event_is_named_from_the_one_vocabulary():
