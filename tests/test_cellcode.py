@@ -12,6 +12,7 @@ import threading
 
 import pytest
 
+import noimport
 from conftest import fake_env, fake_worker_cmd
 from orchestrator import api
 from orchestrator.core import cellcode
@@ -241,6 +242,44 @@ def test_a_tensorflow_tensor_of_the_calling_process_is_refused(tmp_path):
     msg = _carry_error(tmp_path, "data", lambda: {"train": (t, t)})
     assert "<lambda> -> 't' is a TensorFlow EagerTensor of this process" in msg
     assert "create it inside the function" in msg
+
+
+def test_a_jax_array_held_by_the_kernel_is_refused_naming_the_key_and_the_reference(tmp_path):
+    jnp = pytest.importorskip("jax.numpy")
+    w = jnp.ones((2, 2))  # pickle would copy it off the device into a NumPy array
+    msg = _carry_error(tmp_path, "model", lambda: w @ w)  # in the closure
+    assert "key 'model'" in msg
+    assert "<lambda> -> 'w' is a JAX ArrayImpl of this process" in msg
+    assert "on this process's devices" in msg and "create it inside the function" in msg
+    ns = cell("""
+        def load_data():
+            return {"train": (WEIGHTS, WEIGHTS)}
+        """)
+    ns["WEIGHTS"] = jnp.arange(4.0)  # in the cell's globals
+    msg = _carry_error(tmp_path, "data", ns["load_data"])
+    assert "key 'data'" in msg and "load_data -> 'WEIGHTS' is a JAX ArrayImpl" in msg
+
+
+def test_the_kernel_s_jax_arrays_are_recognised_without_importing_jax(tmp_path):
+    # The supervisor side never imports a framework: a jax.Array is known by its class's
+    # module, here in a Python where jax cannot be imported at all.
+    site = tmp_path / "site"
+    code = textwrap.dedent("""
+        import sys
+        from orchestrator.core import cellcode
+        ArrayImpl = type("ArrayImpl", (), {"__module__": "jaxlib._jax"})
+        x = ArrayImpl()
+        try:
+            cellcode.carry([("data", "load_data", lambda: x)], "orchestrator.run()")
+        except cellcode.CarryError as exc:
+            print(exc)
+        print("jax imported:", any(m.split(".")[0] in ("jax", "jaxlib") for m in sys.modules))
+        """)
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env=noimport.env_without(site, "jax", "jaxlib"), timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "key 'data'" in p.stdout and "'x' is a JAX ArrayImpl of this process" in p.stdout
+    assert "jax imported: False" in p.stdout and noimport.attempted(site) == []
 
 
 def test_keyword_jobs_take_job_file_values_and_refuse_others(tmp_path):

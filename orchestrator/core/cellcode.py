@@ -6,9 +6,10 @@ import, so its functions travel to the worker by value, pickled with cloudpickle
 - ``carry`` (the calling process, before any worker starts) pickles each function on its own,
   so that one that cannot be carried fails at once, named by its key and by the reference that
   holds the culprit (``load_data -> 'log' is an open file ...``). An open file, a TensorFlow
-  tensor, variable, layer, model or dataset of the calling process is refused even where pickle
-  would take it: what the worker got would be a snapshot of this process's state (a file's
-  content read now, a tensor copied off the device), never what the function meant.
+  tensor, variable, layer, model or dataset, or a JAX array of the calling process is refused
+  even where pickle would take it: what the worker got would be a snapshot of this process's
+  state (a file's content read now, a tensor copied off the device), never what the function
+  meant.
 - ``fingerprint``: what the code *is*, the same in every process that runs the same cell, for
   the training hash. The pickle's own bytes are not: they hold the bytecode (which changes with
   the Python version), line numbers, and a random id cloudpickle gives each class of the cell
@@ -47,9 +48,17 @@ from orchestrator.core.spec import CodeSpec, SpecError
 
 CODE_FILE = CodeSpec.file
 _PROTOCOL = 5  # fixed, not cloudpickle's default: the fingerprint must not move with it
-# Objects of these packages whose class (or a base) is named so hold this process's state.
-_TF_ROOTS = {"tensorflow": "TensorFlow", "keras": "Keras", "tf_keras": "Keras"}
+# Objects of these packages whose class (or a base) is named so hold this process's state,
+# recognised by their class's module name: this side never imports a framework to check.
+# A jax.Array (jaxlib's ArrayImpl, its base jax.Array, a PRNG key array) lives on this
+# process's devices; pickle would copy it to a NumPy array, which is not what the code meant.
 _TF_STATEFUL = re.compile(r"Tensor|Variable|Layer|Model|Optimizer|Dataset")
+_JAX_STATEFUL = re.compile(r"Array|Tracer")
+_TF = ("TensorFlow", _TF_STATEFUL, "in this process's TensorFlow")
+_KERAS = ("Keras", _TF_STATEFUL, "in this process's Keras backend")
+_JAX = ("JAX", _JAX_STATEFUL, "on this process's devices")
+_HELD_ROOTS = {"tensorflow": _TF, "keras": _KERAS, "tf_keras": _KERAS, "jax": _JAX,
+               "jaxlib": _JAX}
 _STD_STREAMS = ("stdout", "stderr", "stdin", "__stdout__", "__stderr__", "__stdin__")
 # cloudpickle names each class of the cell with a random id (to rebuild it once per process)
 _tracker_id = getattr(cloudpickle.cloudpickle, "_get_or_create_tracker_id", None)
@@ -83,10 +92,10 @@ def held_here(obj) -> str | None:
         return (f"an open file{what}: a file handle belongs to this process; open the file "
                 f"inside the function")
     for c in type(obj).__mro__:
-        root = c.__module__.split(".")[0]
-        if root in _TF_ROOTS and _TF_STATEFUL.search(c.__name__):
-            return (f"a {_TF_ROOTS[root]} {type(obj).__name__} of this process (a "
-                    f"{c.__module__}.{c.__name__}): it lives in this process's TensorFlow; "
+        framework, stateful, lives = _HELD_ROOTS.get(c.__module__.split(".")[0], (None,) * 3)
+        if framework and stateful.search(c.__name__):
+            return (f"a {framework} {type(obj).__name__} of this process (a "
+                    f"{c.__module__}.{c.__name__}): it lives {lives}; "
                     f"create it inside the function (a NumPy array can be carried)")
     return None
 
