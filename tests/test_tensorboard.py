@@ -2,6 +2,7 @@
 restored step dropped, as TensorBoard's own reader (EventAccumulator) sees them."""
 import os
 import shutil
+import subprocess
 import sys
 
 import pytest
@@ -9,6 +10,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tensorboard.compat.proto import event_pb2, summary_pb2
 from tensorboard.summary.writer.record_writer import RecordWriter
 
+import noimport
 from orchestrator.core.spec import SpecError, TensorBoardSpec, load
 from orchestrator.train import tensorboard as tb
 from orchestrator.train.jobcode import JobError
@@ -179,52 +181,92 @@ def test_a_fresh_start_drops_every_earlier_point(tmp_path):
 
 
 # --------------------------------------------------------------------------------------------
-# The callback itself, with tf.summary: a TensorBoard that was already watching
+# The callback itself: a TensorBoard that was already watching, and no TensorFlow on JAX
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
 
 
-def test_the_resumed_attempt_s_start_marker_purges_what_a_watching_tensorboard_had_read(
-        tmp_path):
+def _model():
     import keras
-    from tensorboard.backend.event_processing import plugin_event_accumulator
-
-    from orchestrator.core.heartbeat import Position
 
     model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
     model.compile(optimizer=keras.optimizers.SGD(0.5), loss="mse")
-    log_dir, train = str(tmp_path / "tb"), str(tmp_path / "tb" / "train")
+    return model
 
-    def attempt(resumed_step, last_step, spe=4):
-        progress = Position()
-        progress.step = resumed_step
-        cb = tb.TensorBoardCallback(log_dir, 2, progress, resumed_step)
-        cb.set_model(model)
-        cb.on_train_begin()
-        while progress.step < last_step:
-            epoch = progress.step // spe
-            cb.on_epoch_begin(epoch)
-            while progress.step < min(last_step, (epoch + 1) * spe):
-                progress.step += 1
-                cb.on_train_batch_end(0, {"loss": 10.0 * progress.step})
-            if progress.step == (epoch + 1) * spe:
-                cb.on_epoch_end(epoch, {"loss": float(epoch), "val_loss": epoch + 0.5})
-        return cb
 
-    attempt(0, 7)  # killed after step 7 (points flushed as written), resumed from step 5
-    # What a running TensorBoard reads with (its Python loader); it honours SessionLog.START
-    # for tf.summary's scalars (tensors), where the legacy EventAccumulator purges none.
-    watching = plugin_event_accumulator.EventAccumulator(train, size_guidance={"tensors": 0})
-    watching.Reload()
-    assert [e.step for e in watching.Tensors("batch_loss")] == [2, 4, 6]
-    assert tb.repair(log_dir, 5) == 2  # batch_loss and batch_learning_rate at step 6
-    attempt(5, 12).on_train_end()
-    watching.Reload()
-    fresh = EventAccumulator(train, size_guidance={"tensors": 0})
+def _callback_attempt(model, log_dir, resumed_step, last_step, spe=4):
+    """One attempt's callback, from the step after ``resumed_step`` to ``last_step`` (killed
+    there unless it is the end of an epoch), batch points every 2 steps."""
+    from orchestrator.core.heartbeat import Position
+
+    progress = Position()
+    progress.step = resumed_step
+    cb = tb.TensorBoardCallback(str(log_dir), 2, progress, resumed_step)
+    cb.set_model(model)
+    cb.on_train_begin()
+    while progress.step < last_step:
+        epoch = progress.step // spe
+        cb.on_epoch_begin(epoch)
+        while progress.step < min(last_step, (epoch + 1) * spe):
+            progress.step += 1
+            cb.on_train_batch_end(0, {"loss": 10.0 * progress.step})
+        if progress.step == (epoch + 1) * spe:
+            cb.on_epoch_end(epoch, {"loss": float(epoch), "val_loss": epoch + 0.5})
+    return cb
+
+
+def _assert_each_step_once(log_dir, *readers):
+    fresh = EventAccumulator(os.path.join(log_dir, "train"), size_guidance={"tensors": 0})
     fresh.Reload()
-    for acc in (watching, fresh):
+    for acc in readers + (fresh,):
         assert [e.step for e in acc.Tensors("batch_loss")] == [2, 4, 6, 8, 10, 12]
         assert [e.step for e in acc.Tensors("epoch_loss")] == [4, 8, 12]
         assert [e.step for e in acc.Tensors("epoch_learning_rate")] == [4, 8, 12]
+    assert [e.tensor_proto.float_val[0] for e in fresh.Tensors("batch_loss")] == [
+        20.0, 40.0, 60.0, 80.0, 100.0, 120.0]
     val = EventAccumulator(os.path.join(log_dir, "validation"), size_guidance={"tensors": 0})
     val.Reload()
     assert val.Tags()["tensors"] == ["epoch_loss"]
     assert [e.step for e in val.Tensors("epoch_loss")] == [4, 8, 12]
+    assert sorted(os.listdir(os.path.join(log_dir, "train")))[0] == tb.HISTORY_FILE
+
+
+def test_the_resumed_attempt_s_start_marker_purges_what_a_watching_tensorboard_had_read(
+        tmp_path):
+    from tensorboard.backend.event_processing import plugin_event_accumulator
+
+    model = _model()
+    log_dir, train = str(tmp_path / "tb"), str(tmp_path / "tb" / "train")
+    _callback_attempt(model, log_dir, 0, 7)  # killed after step 7, resumed from step 5
+    # What a running TensorBoard reads with (its Python loader); it honours SessionLog.START
+    # for tensor scalars, where the legacy EventAccumulator purges none.
+    watching = plugin_event_accumulator.EventAccumulator(train, size_guidance={"tensors": 0})
+    watching.Reload()
+    assert [e.step for e in watching.Tensors("batch_loss")] == [2, 4, 6]
+    assert tb.repair(log_dir, 5) == 2  # batch_loss and batch_learning_rate at step 6
+    _callback_attempt(model, log_dir, 5, 12).on_train_end()
+    watching.Reload()
+    _assert_each_step_once(log_dir, watching)
+
+
+@pytest.mark.parametrize("tensorflow", ["not importable", "installed"])
+def test_a_jax_worker_writes_and_repairs_the_logs_without_tensorflow(tmp_path, tensorflow):
+    # A TPU VM has no TensorFlow; a GPU runtime has it, and a JAX worker must not import it.
+    site, log_dir = tmp_path / "site", str(tmp_path / "tb")
+    env = (noimport.env_without(site, "tensorflow") if tensorflow == "not importable" else
+           dict(os.environ, PYTHONPATH=noimport.ROOT))
+    env["KERAS_BACKEND"] = "jax"
+    code = (f"import sys; sys.path.insert(0, {TESTS!r})\n"
+            "import keras\n"
+            "from test_tensorboard import _callback_attempt, _model, tb\n"
+            "assert keras.backend.backend() == 'jax', keras.backend.backend()\n"
+            "model = _model()\n"
+            f"_callback_attempt(model, {log_dir!r}, 0, 7)\n"
+            f"print('dropped', tb.repair({log_dir!r}, 5))\n"
+            f"_callback_attempt(model, {log_dir!r}, 5, 12).on_train_end()\n"
+            "print('tensorflow imported:', 'tensorflow' in sys.modules)\n")
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=300, cwd=str(tmp_path))
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "dropped 2\n" in p.stdout and "tensorflow imported: False\n" in p.stdout, p.stdout
+    _assert_each_step_once(log_dir)

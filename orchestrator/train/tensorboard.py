@@ -35,10 +35,22 @@ resume is exact). Two mechanisms, one for each kind of reader:
 
 Each point is flushed as it is written (before the checkpoint callback commits that step), so
 a kill loses no point at or before the step the next attempt resumes from.
+
+**No TensorFlow, on either backend.** A JAX worker on a TPU VM has no TensorFlow, and one on a
+GPU runtime that has it must not import it (2.5 s; on a TPU VM it may take libtpu). So the
+files are written and read with what the ``tensorboard`` package ships that needs none: its
+event and summary protos, ``scalar_pb`` (the very summary ``tf.summary.scalar`` writes: a
+float32 tensor for the ``scalars`` plugin), ``RecordWriter`` and the stub's record reader.
+Not its ``EventFileWriter`` nor its event-file loader: both go through ``tensorboard.compat.tf``,
+which imports TensorFlow whenever it is installed (so does ``io_wrapper``'s file-name check).
+Both backends write the same files the same way, ``SessionLog.START`` included, as a plain
+event (``tf.summary`` took it only through ``tf.raw_ops.ImportEvent``).
 """
 from __future__ import annotations
 
+import itertools
 import os
+import socket
 import sys
 import time
 
@@ -53,12 +65,13 @@ RUNS = ("train", "validation")  # TensorBoard's runs (sub-folders), as Keras nam
 HISTORY_FILE = "events.out.tfevents.0000000000.orchestrator.v2"
 _TMP_FILE = ".history.tmp"  # no "tfevents" in the name: readers never look at it
 _FILE_VERSION = "brain.Event:2"
+_writer_ids = itertools.count()  # the last part of an attempt's file name, as tf.summary's
 
 
 def require() -> None:
     """Fail before training, in one line, when the job asks for TensorBoard logs that this
-    environment cannot write (``tensorflow-cpu`` does not install ``tensorboard``, and then
-    ``tf.summary.scalar`` raises ``TBNotInstalledError`` at the first point)."""
+    environment cannot write (neither ``tensorflow-cpu`` nor JAX installs ``tensorboard``,
+    whose writer this module uses; without it the first point would fail mid-epoch)."""
     try:
         import tensorboard  # noqa: F401
     except ModuleNotFoundError as exc:
@@ -72,17 +85,69 @@ def require() -> None:
 
 
 def _event_files(folder: str) -> list[str]:
-    """The event files TensorBoard reads in ``folder``, in the order it reads them."""
-    from tensorboard.backend.event_processing import io_wrapper
+    """The event files TensorBoard reads in ``folder``, in the order it reads them (its rule,
+    ``io_wrapper.IsSummaryEventsFile``, without the TensorFlow import that one makes)."""
+    return sorted(n for n in os.listdir(folder) if "tfevents" in n)
 
-    return sorted(n for n in os.listdir(folder) if io_wrapper.IsSummaryEventsFile(n))
+
+def _records(path: str):
+    """The records of one event file in order, up to the first one a kill cut short (or whose
+    checksum fails), where TensorBoard's readers stop too."""
+    from tensorboard.compat.tensorflow_stub import errors
+    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import PyRecordReader_New
+
+    reader = PyRecordReader_New(path)
+    try:
+        while True:
+            try:
+                reader.GetNext()
+            except (errors.OutOfRangeError, errors.DataLossError):
+                return
+            yield reader.record()
+    finally:
+        reader.file_handle.close()
+
+
+class EventFile:
+    """One attempt's event file in a run folder, named as ``tf.summary`` names its own
+    (``events.out.tfevents.<seconds>.<host>.<pid>.<n>.v2``: after the history file), its first
+    event the file version, its second ``SessionLog.START`` at the first step it may write."""
+
+    def __init__(self, folder: str, first_step: int):
+        from tensorboard.compat.proto import event_pb2
+        from tensorboard.summary.writer.record_writer import RecordWriter
+
+        os.makedirs(folder, exist_ok=True)
+        name = "events.out.tfevents.%010d.%s.%s.%s.v2" % (
+            time.time(), socket.gethostname(), os.getpid(), next(_writer_ids))
+        self._file = open(os.path.join(folder, name), "wb")
+        self._records = RecordWriter(self._file)
+        self._add(event_pb2.Event(file_version=_FILE_VERSION))
+        self._add(event_pb2.Event(step=first_step, session_log=event_pb2.SessionLog(
+            status=event_pb2.SessionLog.START)))
+        self.flush()
+
+    def _add(self, event) -> None:
+        event.wall_time = time.time()
+        self._records.write(event.SerializeToString())
+
+    def scalar(self, tag: str, value: float, step: int) -> None:
+        from tensorboard.compat.proto import event_pb2
+        from tensorboard.plugins.scalar.summary_v2 import scalar_pb
+
+        self._add(event_pb2.Event(step=step, summary=scalar_pb(tag, float(value))))
+
+    def flush(self) -> None:
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
 
 
 def truncate(folder: str, step: int) -> int:
     """Rewrite ``folder``'s event files as one history file of the points at steps <= ``step``
     (the last value written for each tag and step, in step order) and remove the others.
     Returns how many points were dropped: past ``step``, or written again later."""
-    from tensorboard.backend.event_processing.event_file_loader import RawEventFileLoader
     from tensorboard.compat.proto import event_pb2
     from tensorboard.summary.writer.record_writer import RecordWriter
 
@@ -91,8 +156,7 @@ def truncate(folder: str, step: int) -> int:
     names = _event_files(folder)
     header, points, read = None, {}, 0
     for name in names:
-        # RawEventFileLoader stops at a record cut short by a kill, as TensorBoard does.
-        for raw in RawEventFileLoader(os.path.join(folder, name)).Load():
+        for raw in _records(os.path.join(folder, name)):
             event = event_pb2.Event.FromString(raw)
             what = event.WhichOneof("what")
             if what == "file_version":
@@ -144,41 +208,20 @@ class TensorBoardCallback(keras.callbacks.Callback):
         self._writers: dict = {}
         self._lr = None
 
-    def _writer(self, run: str):
-        import tensorflow as tf
-
+    def _writer(self, run: str) -> EventFile:
+        """The run folder's file of this attempt, opened at its first point; its START marker
+        makes a TensorBoard already watching purge what it had read past the restored step."""
         if run not in self._writers:
-            w = tf.summary.create_file_writer(os.path.join(self.log_dir, run))
-            self._start_marker(w)
-            self._writers[run] = w
+            self._writers[run] = EventFile(os.path.join(self.log_dir, run),
+                                           self.resumed_step + 1)
         return self._writers[run]
 
-    def _start_marker(self, writer) -> None:
-        """``SessionLog.START`` at the first step this attempt writes: a TensorBoard already
-        watching purges the points past the restored step that it had read."""
-        import tensorflow as tf
-        from tensorboard.compat.proto import event_pb2
-
-        resource = getattr(writer, "_resource", None)  # what tf.summary's own import_event uses
-        if resource is None:
-            print("[worker] tensorboard: this TensorFlow's summary writer takes no raw events; "
-                  "a TensorBoard already watching may show the dropped points until it is "
-                  "restarted", flush=True)
-            return
-        event = event_pb2.Event(wall_time=time.time(), step=self.resumed_step + 1,
-                                session_log=event_pb2.SessionLog(
-                                    status=event_pb2.SessionLog.START))
-        tf.raw_ops.ImportEvent(writer=resource, event=tf.constant(event.SerializeToString()))
-
     def _write(self, run: str, prefix: str, scalars: dict) -> None:
-        import tensorflow as tf
-
         if not scalars:
             return
         writer = self._writer(run)
-        with writer.as_default():
-            for name, value in scalars.items():
-                tf.summary.scalar(prefix + name, float(value), step=self.progress.step)
+        for name, value in scalars.items():
+            writer.scalar(prefix + name, value, self.progress.step)
         writer.flush()
 
     def on_epoch_begin(self, epoch, logs=None):
