@@ -237,10 +237,15 @@ class JaxBackend:
         return lambda: jax.device_get([v.value for v in variables])
 
     def can_export_saved_model(self) -> str | None:
-        """Why a SavedModel cannot be written here, or None: Keras writes it through
-        TensorFlow (jax2tf), which a TPU VM does not have."""
-        import importlib.util
-
-        if importlib.util.find_spec("tensorflow") is None:
-            return "TensorFlow is not installed, which writing a SavedModel from JAX needs"
+        """Why a SavedModel cannot be written in this process, or None: Keras writes it from
+        JAX through TensorFlow (jax2tf), which a TPU VM does not have. Installed is not enough:
+        it must import here, or the export would fail as a whole instead of writing
+        ``model.keras`` and the weights and saying why in ``export.json``."""
+        try:
+            import tensorflow  # noqa: F401
+            from jax.experimental import jax2tf  # noqa: F401
+        except Exception as exc:  # noqa: BLE001 - whatever stops the import is the reason given
+            why = f"{type(exc).__name__}: {exc}".splitlines()[0]
+            return (f"TensorFlow, which writing a SavedModel from JAX needs, cannot be "
+                    f"imported in the exporter process ({why})")
         return None
