@@ -344,6 +344,7 @@ def test_cifar10_resnet_synthetic_smoke(tmp_path):
 
 
 
+@BOTH_BACKENDS
 def test_export_formats_load_on_cpu_and_predict_as_the_run_s_model(digits_job, tmp_path):
     text = open(digits_job).read().replace("epochs: 5", "epochs: 2")
     open(digits_job, "w").write(text)
