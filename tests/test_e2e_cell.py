@@ -1,4 +1,4 @@
-"""Real TensorFlow: a job whose functions are defined in a script's ``__main__`` (as in a notebook
+"""On both backends: a job whose functions are defined in a script's ``__main__`` (as in a notebook
 cell), carried to the worker by value, its worker SIGKILLed once mid-run, the run completing;
 the same script run again (a new process: a recycled VM running the cell again) finds the same
 code and the completed run; the script with a changed function is refused."""
@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from conftest import ROOT
+from conftest import BOTH_BACKENDS, ROOT
 from orchestrator.core.journal import Journal
 
 pytestmark = pytest.mark.e2e
@@ -66,7 +66,9 @@ def _run(script, run_dir, *faults):
     return p.returncode, p.stdout + p.stderr
 
 
-def test_a_cell_job_survives_a_killed_worker_and_the_same_cell_resumes_it(tmp_path):
+@BOTH_BACKENDS
+def test_a_cell_job_survives_a_killed_worker_and_the_same_cell_resumes_it(tmp_path, backend):
+    # backend: auto in the cell, resolved through KERAS_BACKEND (the backend fixture)
     script, run = _script(tmp_path), tmp_path / "run"
     t0 = time.time()
     rc, out = _run(script, run, "kill@step=8")
@@ -77,13 +79,14 @@ def test_a_cell_job_survives_a_killed_worker_and_the_same_cell_resumes_it(tmp_pa
     assert [(e["signal"], e["kind"]) for e in ended] == [("SIGKILL", "killed"), (None, None)]
     assert [e["epoch"] for e in events if e["event"] == "epoch_completed"] == [1, 2]
     ready = [e for e in events if e["event"] == "worker_ready"]
+    assert {e["backend"] for e in ready} == {backend}
     assert ready[1]["resumed_from_step"] == 5  # the second worker resumed, mid-epoch
     assert "the job's functions (build_model, load_data) are carried in" in out
     code, job = run / "code.pkl", run / "job.yaml"
     assert stat.S_IMODE(code.stat().st_mode) == 0o600 and stat.S_IMODE(job.stat().st_mode) == 0o600
     assert "model: __cell__:build_model" in job.read_text()
     assert (run / "export" / "model.keras").exists()
-    print(f"cell job with one SIGKILL: {took:.1f} s")
+    print(f"cell job on {backend} with one SIGKILL: {took:.1f} s")
 
     # the same cell again, in a new process: the same code, so the run is this run
     rc, out = _run(script, run)
