@@ -105,7 +105,7 @@ def test_kills_mid_epoch_between_epochs_and_during_a_write_recover_warm_bit_iden
     ref_events = Journal(str(tmp_path / "ref-run" / "events.jsonl")).events()
 
     run = tmp_path / "run"
-    job = _job(tmp_path, "warm", "auto", backend)
+    job = _job(tmp_path, "warm", "on", backend)
     ctl = live(job, run)
     journal = Journal(ctl.journal)
     sup = _start(job, run, "--fault", SLOW_WRITE)
@@ -181,7 +181,7 @@ def _zombie(pid):
 def test_a_standby_promoted_before_any_checkpoint_trains_as_a_cold_worker_would(tmp_path):
     """Its traced step is undone: promoted with no checkpoint, it starts from the very state a
     cold worker builds, and one epoch ends with the same weights."""
-    path = _job(tmp_path, "one-epoch", "auto")
+    path = _job(tmp_path, "one-epoch", "on")
     with open(path) as f:
         text = f.read().replace("epochs: 70", "epochs: 1")
     with open(path, "w") as f:

@@ -290,18 +290,19 @@ def test_a_field_missing_from_the_job_file_takes_its_dataclass_default(write_job
 
 
 @pytest.mark.parametrize("value, mode", [("off", "off"), ("'off'", "off"), ("auto", "auto"),
-                                         ("import_only", "import_only")])
+                                         ("import_only", "import_only"), ("on", "on"),
+                                         ("'on'", "on")])
 def test_standby_modes_load_and_a_bare_off_is_the_word_not_false(write_job, value, mode):
     assert load(write_job(VALID + f"standby: {value}\n")).standby == mode
 
 
 def test_standby_mode_errors_name_the_key_and_the_modes(write_job):
-    path = write_job(VALID + "standby: on\n")  # YAML 1.1: true
+    path = write_job(VALID + "standby: 2\n")
     with pytest.raises(SpecError) as e:
         load(path)
     msg = str(e.value)
     assert msg.startswith(f"{path}:17: key 'standby'"), msg
-    assert "expected one of auto, off, import_only, got True" in msg
+    assert "expected one of auto, on, off, import_only, got 2" in msg
 
 
 def _resolve(requested, env, tmp_path, have=("tensorflow", "jax")):

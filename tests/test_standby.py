@@ -33,7 +33,7 @@ def _all_gone(events):
 
 def test_a_killed_worker_is_replaced_by_the_warm_standby_and_a_new_one_starts(fake_job, tmp_path):
     plan = dict(SLOW, exit_at_epoch={"1": [3, -9]})
-    rc, out, events = supervise(fake_job(epochs=4), plan, standby=True)
+    rc, out, events = supervise(fake_job(epochs=4, extra="standby: on"), plan, standby=True)
     assert rc == 0, out
     run = str(tmp_path / "run")
     started = _ev(events, "attempt_started")
@@ -53,13 +53,14 @@ def test_a_killed_worker_is_replaced_by_the_warm_standby_and_a_new_one_starts(fa
 
 
 def test_a_standby_starts_only_once_the_worker_trains(fake_job):
-    _, _, events = supervise(fake_job(epochs=2), SLOW, standby=True)
+    _, _, events = supervise(fake_job(epochs=2, extra="standby: on"), SLOW, standby=True)
     names = [(e["event"], e.get("attempt", e.get("for_attempt"))) for e in events]
     assert names.index(("standby_started", 2)) > names.index(("first_step", 1))
 
 
 def test_an_action_that_needs_a_fresh_process_discards_the_standby(fake_job):
-    job = fake_job(epochs=4, extra="recovery: {ladders: {unknown: [reinit_accelerator, restart]}}")
+    job = fake_job(epochs=4, extra="recovery: {ladders: {unknown: [reinit_accelerator, restart]}}"
+                                  "\n            standby: on")
     plan = dict(SLOW, exit_at_epoch={"1": [3, 1]})
     rc, out, events = supervise(job, plan, standby=True)
     assert rc == 0, out
@@ -78,7 +79,7 @@ def test_an_action_that_needs_a_fresh_process_discards_the_standby(fake_job):
 
 def test_a_standby_that_fails_to_warm_up_is_replaced_once_then_the_recovery_is_cold(fake_job):
     plan = dict(SLOW, exit_at_epoch={"1": [4, -9]}, standby_exit={"2": 1})
-    rc, out, events = supervise(fake_job(epochs=5), plan, standby=True)
+    rc, out, events = supervise(fake_job(epochs=5, extra="standby: on"), plan, standby=True)
     assert rc == 0, out
     lost = _ev(events, "standby_lost")
     assert [(e["for_attempt"], e["exit_code"]) for e in lost] == [(2, 1), (2, 1)]
@@ -93,7 +94,7 @@ def test_a_standby_that_fails_to_warm_up_is_replaced_once_then_the_recovery_is_c
 
 def test_a_standby_still_warming_up_is_not_promoted_the_recovery_is_cold(fake_job):
     plan = dict(SLOW, exit_at_epoch={"1": [3, -9]}, standby_warm_s=30)
-    rc, out, events = supervise(fake_job(epochs=4), plan, standby=True)
+    rc, out, events = supervise(fake_job(epochs=4, extra="standby: on"), plan, standby=True)
     assert rc == 0, out
     started = _ev(events, "attempt_started")
     assert started[1]["path"] == "cold"

@@ -62,6 +62,9 @@ class Event:
     STANDBY_DISCARDED = "standby_discarded"
     #: the standby exited on its own (``exit_code``, its log's last line)
     STANDBY_LOST = "standby_lost"
+    #: whether attempts get a standby, and why in figures (``mode``: the mode or None,
+    #: ``reason``, ``for_attempt``); journaled when the decision changes
+    STANDBY_DECIDED = "standby_decided"
     #: the worker got SIGTERM (a preemption notice), saved its state (``step``) and exited
     PREEMPTED = "preempted"
     #: a rank of a multi-worker group failed: the others are stopped (supervise/group.py)

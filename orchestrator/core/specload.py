@@ -307,9 +307,12 @@ def _callbacks(r: _Reader, v) -> tuple:
 
 
 def _off_is_a_word(data: dict, key: str) -> dict:
-    """YAML 1.1 reads a bare ``off`` as false: ``standby: off`` means the mode "off"."""
+    """YAML 1.1 reads a bare ``off`` as false and ``on`` as true: ``standby: off`` and
+    ``standby: on`` mean the modes "off" and "on"."""
     if data.get(key) is False:
         return dict(data, **{key: "off"})
+    if data.get(key) is True:
+        return dict(data, **{key: "on"})
     return data
 
 def load(path: str, run_dir: str | None = None, backend: str | None = None) -> JobSpec:

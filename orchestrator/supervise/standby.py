@@ -34,8 +34,11 @@ from orchestrator.core.kinds import Action
 from orchestrator.core.rundir import RunDir
 from orchestrator.core.spec import JobSpec
 from orchestrator.recovery.failures import read_tail
+from orchestrator.recovery.policy import is_preemption
+from orchestrator.supervise import standby_policy
 from orchestrator.supervise.attempt import spawn, watch_exit
 
+ON = "on"                    # the job's setting: a standby wherever the device allows one
 WARM = "warm"                # imported, built, compiled, traced
 IMPORT_ONLY = "import_only"  # imported the framework only (a TPU the active worker holds)
 
@@ -151,25 +154,51 @@ class Keeper:
 
     def __init__(self, spec: JobSpec, cmd: Callable | None, rd: RunDir, events: queue.Queue,
                  journal: Journal, env: Callable[[], dict], strategy: Callable[[], str],
-                 accelerator: Callable[[], str | None], stopping: Callable[[], bool]):
+                 accelerator: Callable[[], str | None], stopping: Callable[[], bool],
+                 cores: Callable[[], int] | None = None):
         self.spec, self.cmd, self.rd, self.events, self.journal = spec, cmd, rd, events, journal
         self.env, self.strategy, self.accelerator = env, strategy, accelerator
         self.stopping = stopping
+        self.cores = cores or (lambda: standby_policy.cores())  # looked up late: tests set it
+        self._decided: tuple | None = None
         self.current: Standby | None = None
         self._replaced: set[int] = set()  # attempts whose lost standby was replaced once
 
     def mode(self) -> tuple[str | None, str]:
+        """The mode the next standby would have, or None, with why: what the device allows
+        (``mode_for``), then for ``auto`` whether it is worth it for this run
+        (standby_policy.py: the run's own kills, cold starts and warm-ups)."""
         if self.cmd is None:
             return None, "no standby with this worker command"
         if self.spec.workers > 1 or self.spec.engine != "local":
             return None, "several workers (a group) have no standby"
-        return mode_for(self.spec.standby, self.strategy(), self.accelerator(),
-                        self.spec.backend)
+        setting, strategy = self.spec.standby, self.strategy()
+        mode, why = mode_for("auto" if setting == ON else setting, strategy,
+                             self.accelerator(), self.spec.backend)
+        if setting == ON and mode is not None:
+            return mode, f"standby: on ({why})"
+        if setting == "auto" and mode == WARM:
+            evidence = standby_policy.Evidence.from_journal(self.journal.events(),
+                                                           is_preemption)
+            ok, figures = standby_policy.worth_it(strategy, self.cores(), evidence)
+            return (WARM if ok else None), f"auto: {figures}"
+        return mode, why
+
+    def decide(self, for_attempt: int) -> str | None:
+        """The mode for ``for_attempt``'s standby, journaled when the decision changes."""
+        mode, why = self.mode()
+        if (mode, why) != self._decided:
+            self._decided = (mode, why)
+            self.journal.append(Event.STANDBY_DECIDED, for_attempt=for_attempt, mode=mode,
+                                reason=why)
+        return mode
 
     def start(self, for_attempt: int) -> None:
         """Behind a worker that trains (its start-up done), when the job and strategy allow."""
-        mode, _ = self.mode()
-        if self.current is not None or mode is None or self.stopping():
+        if self.current is not None or self.stopping():
+            return
+        mode = self.decide(for_attempt)
+        if mode is None:
             return
         self.current = Standby(for_attempt, mode, self.cmd(self.spec, for_attempt, mode),
                                self.env(), self.spec.job_dir, self.rd.standby_log(for_attempt),

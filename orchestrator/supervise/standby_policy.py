@@ -1,0 +1,97 @@
+"""Whether a warm standby is worth it for the run in front of us, from what it can measure.
+
+A standby buys a recovery in a fraction of a cold start (digits: 0.15 s against 3.8 s) but its
+warm-up runs on the same cores as the worker. Where the worker trains on an accelerator that
+costs nothing that matters; where it trains on the CPU of a small machine it always costs
+(scripts/bench on 2 cores, 2026-12-04: ResNet-20 trained 1.19x slower for the ~8 s a standby
+took to warm up, once per attempt; a short run paid 1.44-1.56x) and buys nothing unless the
+worker is then killed. So ``standby: auto`` decides per attempt, from the run's own journal:
+
+- training on a GPU or a TPU: a standby (the device does the training, the CPU is spare);
+- a CPU with cores to spare (``SPARE_CORES`` or more): a standby, its warm-up takes one of them;
+- a CPU-bound worker on fewer cores: none until this run has seen a kill, then one when what
+  it is expected to save beats what its warm-up costs: (the share of attempts that ended in
+  a kill) x (the run's cold start) > (the last warm-up's length) x ``WARM_UP_SLOWDOWN`` x
+  2 / cores. Every figure is the run's own where it has one (journaled ``first_step`` of cold
+  attempts, ``standby_ready``), the bench's otherwise.
+
+``standby: on`` always starts one (where the device allows), ``off`` never; the decision and
+its figures are journaled whenever it changes (``standby_decided``).
+"""
+from __future__ import annotations
+
+import os
+import statistics
+from dataclasses import dataclass
+
+from orchestrator.core.events import Event
+
+# Measured on 2 shared cores (bench, 2026-12-04): a CPU-bound worker lost this share of each
+# second the standby warmed up beside it (1.19x); scaled by 2/cores on other machines.
+WARM_UP_SLOWDOWN = 0.19
+# Not measured here (this machine has 2): from 4 cores the standby's mostly single-threaded
+# warm-up has a core to itself while the worker's math keeps the rest.
+SPARE_CORES = 4
+# Until the run has its own figures: the bench's digits cold start and warm-up on 2 cores.
+DEFAULT_COLD_START_S = 7.6
+DEFAULT_WARM_UP_S = 8.0
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """What the run's journal says so far."""
+
+    attempts_ended: int = 0
+    killed: int = 0
+    cold_start_s: float | None = None   # median process start -> first step, cold attempts
+    warm_up_s: float | None = None      # the last standby: started -> ready
+
+    @classmethod
+    def from_journal(cls, events, is_kill) -> "Evidence":
+        started, cold, warm_up, ended, killed = {}, [], None, 0, 0
+        standby_t0 = {}
+        for e in events:
+            name = e.get("event")
+            if name == Event.ATTEMPT_STARTED:
+                started[e.get("attempt")] = e
+            elif name == Event.FIRST_STEP:
+                a = started.get(e.get("attempt")) or {}
+                if a.get("path", "cold") == "cold" and e.get("since_start_s") is not None:
+                    cold.append(float(e["since_start_s"]))
+            elif name == Event.ATTEMPT_ENDED and e.get("kind"):
+                ended += 1
+                killed += bool(is_kill(e["kind"]))
+            elif name == Event.STANDBY_STARTED:
+                standby_t0[e.get("pid")] = e.get("ts")
+            elif name == Event.STANDBY_READY and standby_t0.get(e.get("pid")) is not None:
+                warm_up = round(e["ts"] - standby_t0[e["pid"]], 3)
+        return cls(ended, killed, statistics.median(cold) if cold else None, warm_up)
+
+
+def cores() -> int:
+    """The cores this process may run on (a container's share, not the host's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def worth_it(strategy: str, n_cores: int, ev: Evidence) -> tuple[bool, str]:
+    """``auto``'s answer for one attempt on ``strategy`` (tpu|gpu|cpu), with why in numbers."""
+    if strategy in ("gpu", "tpu"):
+        return True, f"the worker trains on the {strategy.upper()}: the CPU is spare"
+    if n_cores >= SPARE_CORES:
+        return True, f"{n_cores} cores: one is the standby's while it warms up"
+    if not ev.killed:
+        return False, (f"no kill in this run yet: on {n_cores} core(s) a standby's warm-up "
+                       f"slows a CPU-bound worker ({1 + WARM_UP_SLOWDOWN:.2f}x for its ~"
+                       f"{ev.warm_up_s or DEFAULT_WARM_UP_S:.0f} s, measured) for no gain")
+    share = ev.killed / max(ev.attempts_ended, 1)
+    cold = ev.cold_start_s or DEFAULT_COLD_START_S
+    warm_up = ev.warm_up_s or DEFAULT_WARM_UP_S
+    gain = share * cold
+    cost = warm_up * WARM_UP_SLOWDOWN * 2 / n_cores
+    figures = (f"{ev.killed} of {ev.attempts_ended} attempts killed x {cold:.1f} s cold start "
+               f"= {gain:.1f} s expected saved, against {warm_up:.1f} s warm-up x "
+               f"{WARM_UP_SLOWDOWN} x 2/{n_cores} = {cost:.1f} s of training lost")
+    return gain > cost, figures
