@@ -12,7 +12,7 @@ import threading
 
 import pytest
 
-from conftest import fake_env, fake_worker_cmd
+from helpers import fake_env, fake_worker_cmd
 from orchestrator import api
 from orchestrator.core import cellcode
 from orchestrator.core.spec import SpecError, load

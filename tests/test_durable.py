@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, fake_env, fake_worker_cmd
+from helpers import ROOT, fake_env, fake_worker_cmd
 from drivefaults import DriveFaults
 from orchestrator import cli
 from orchestrator.checkpoint import tiers
@@ -101,7 +101,7 @@ def test_supervisor_killed_during_a_durable_upload_leaves_nothing_half_done(fake
     job = fake_job(epochs=3, extra="checkpoint: {upload_backoff: {initial: 0.02, max: 0.1}}")
     durable = tmp_path / "run" / "checkpoints"
     code = ("import sys; sys.path.insert(0, %r); sys.path.insert(0, %r)\n"
-            "from conftest import fake_worker_cmd\n"
+            "from helpers import fake_worker_cmd\n"
             "from drivefaults import DriveFaults\n"
             "from orchestrator.core.spec import load\n"
             "from orchestrator.supervise.supervisor import Supervisor\n"

@@ -12,7 +12,7 @@ import pytest
 from watchdog.events import FileSystemEventHandler
 from watchdog.observers import Observer
 
-from conftest import BOTH_BACKENDS, ROOT, live
+from helpers import BOTH_BACKENDS, ROOT, live
 from orchestrator.core import heartbeat
 from orchestrator.core.journal import Journal
 from orchestrator.core.osutil import pid_alive

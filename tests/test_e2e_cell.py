@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from conftest import ROOT
+from helpers import ROOT
 from orchestrator.core.journal import Journal
 
 pytestmark = pytest.mark.e2e

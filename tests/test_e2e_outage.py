@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from conftest import ROOT
+from helpers import ROOT
 from orchestrator.checkpoint.store import CheckpointStore
 from orchestrator.core.journal import Journal
 from orchestrator.core.rundir import RunDir

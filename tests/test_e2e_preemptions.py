@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, live, wait_until
+from helpers import ROOT, live, wait_until
 from orchestrator.core import heartbeat
 from orchestrator.core.journal import Journal
 
@@ -62,7 +62,7 @@ def _start(job, run_dir):
                             stderr=subprocess.STDOUT, text=True)
 
 
-_wait = wait_until  # (conftest)
+_wait = wait_until  # (helpers)
 
 
 def _ev(events, name):

@@ -8,7 +8,7 @@ import sys
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import ROOT
+from helpers import ROOT
 from orchestrator.core.journal import Journal
 from orchestrator.train.tensorboard import HISTORY_FILE
 

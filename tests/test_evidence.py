@@ -9,7 +9,7 @@ import traceback
 import pytest
 import yaml
 
-from conftest import ROOT
+from helpers import ROOT
 from orchestrator.core.kinds import KINDS, Kind
 from orchestrator.core.spec import load
 from orchestrator.recovery import evidence, failures

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT
+from helpers import ROOT
 from orchestrator.recovery import failures
 from orchestrator.recovery.failures import classify, match_text
 

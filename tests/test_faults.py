@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT
+from helpers import ROOT
 from orchestrator.recovery import faults
 from orchestrator.checkpoint.store import CheckpointStore
 from orchestrator.core.journal import Journal

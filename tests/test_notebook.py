@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, fake_env
+from helpers import ROOT, fake_env
 from orchestrator.core.journal import Journal
 from orchestrator.core.osutil import pid_alive
 
@@ -18,7 +18,7 @@ import sys
 sys.path[:0] = [{os.path.join(ROOT, 'tests')!r}, {ROOT!r}]
 import orchestrator, orchestrator.api
 from orchestrator.supervise.supervisor import Supervisor
-from conftest import fake_worker_cmd
+from helpers import fake_worker_cmd
 
 class FakeWorkerSupervisor(Supervisor):  # the notebook API, with the fake worker
     def __init__(self, spec, **kw):

@@ -4,7 +4,7 @@ import io
 import json
 import re
 
-from conftest import supervise
+from helpers import supervise
 from orchestrator.core.events import Event
 from orchestrator.core.journal import Journal
 from orchestrator.supervise import console

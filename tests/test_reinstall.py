@@ -11,7 +11,7 @@ import zipfile
 
 import pytest
 
-from conftest import fake_env, fake_worker_cmd
+from helpers import fake_env, fake_worker_cmd
 from orchestrator.core.journal import Journal
 from orchestrator.recovery.reinstall import installed, reinstall_tensorflow
 from orchestrator.core.spec import RecoverySpec, load

@@ -13,7 +13,7 @@ import random
 import signal
 import time
 
-from conftest import supervisor_process
+from helpers import supervisor_process
 from orchestrator.checkpoint.store import CheckpointStore
 from orchestrator.core.journal import Journal
 from orchestrator.core.rundir import EXIT_LOCK_LOST, RunDir

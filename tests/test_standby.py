@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from conftest import supervise
+from helpers import supervise
 from orchestrator.core.journal import Journal
 from orchestrator.core.osutil import pid_alive
 from orchestrator.supervise.standby import IMPORT_ONLY, WARM, Standby, mode_for
@@ -167,7 +167,7 @@ print(standby.restore_priority(before), nices(), score())
 def test_the_standby_lowers_every_thread_and_puts_them_back_when_promoted():
     import subprocess
 
-    from conftest import ROOT
+    from helpers import ROOT
 
     out = subprocess.run([sys.executable, "-c", PRIORITY_CHILD], capture_output=True,
                          text=True, cwd=ROOT, timeout=60, env=dict(os.environ, PYTHONPATH=ROOT))

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from conftest import supervisor_process
+from helpers import supervisor_process
 
 from orchestrator import cli
 from orchestrator.ops import timeline

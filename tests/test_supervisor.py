@@ -5,7 +5,7 @@ import subprocess
 import sys
 import time
 
-from conftest import ROOT, live, supervise, supervisor_process
+from helpers import ROOT, live, supervise, supervisor_process
 from orchestrator.core import heartbeat
 from orchestrator.core.journal import Journal
 from orchestrator.core.osutil import pid_alive

@@ -7,7 +7,7 @@ import shutil
 import stat
 import traceback
 
-from conftest import fake_env, fake_worker_cmd
+from helpers import fake_env, fake_worker_cmd
 from orchestrator.checkpoint import tiers
 from orchestrator.core.journal import Journal
 from orchestrator.core.osutil import pid_alive
