@@ -87,3 +87,31 @@ def wait_until(cond, timeout=120, what="condition"):
         time.sleep(0.02)
     raise AssertionError(f"{what} not met within {timeout} s")
 
+
+class FakeClock:
+    """A clock (core/clock.Clock's four methods) that moves only when told to: ``sleep`` and
+    ``wait`` move it at once, so a 5 s lease or a minute of backoff takes no real time. For
+    code driven from the test's own thread (a background thread waiting on it would spin)."""
+
+    def __init__(self, start: float = 1_000_000.0):
+        self.now = start
+        self.slept: list[float] = []  # every sleep and wait, in order
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def time(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds
+
+    def wait(self, event, seconds) -> bool:
+        if event.is_set():
+            return True
+        self.sleep(seconds or 0.0)
+        return event.is_set()
