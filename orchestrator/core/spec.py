@@ -13,11 +13,13 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from orchestrator.core.standbymode import StandbyMode
+
 
 STRATEGIES = ("auto", "tpu", "gpu", "cpu")
 SCHEDULES = ("step_decay", "cosine", "piecewise")
 BUILTIN_CALLBACKS = ("early_stopping", "reduce_lr_on_plateau", "terminate_on_nan")
-STANDBY_MODES = ("auto", "off", "import_only")
+STANDBY_MODES = StandbyMode.SETTINGS
 ENGINES = ("local", "ray")  # who places the workers of a multi-worker job
 _FACTORY_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 # The module name of the functions ``orchestrator.run(model=fn, data=fn, ...)`` carries by value
@@ -207,7 +209,7 @@ class JobSpec:
     startup_timeout: float = 1800.0  # ... before the first training heartbeat of an attempt
     stop_grace: float = 10.0         # SIGTERM -> SIGKILL of a worker's process group
     preempt_grace: float = 20.0      # SIGTERM -> emergency checkpoint and exit (spot VMs: ~30 s)
-    standby: str = "auto"            # a warm standby worker: auto | off | import_only
+    standby: str = StandbyMode.AUTO  # a warm standby worker: auto | off | import_only
     probe_interval: float = 60.0     # accelerator probe period while an attempt runs
     lock_stale_after: float = 120.0  # a lock silent this long may be taken over (another VM)
     workers: int = 1                 # worker processes training together (MultiWorkerMirrored)

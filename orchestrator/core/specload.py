@@ -17,6 +17,7 @@ import yaml
 
 from orchestrator.core.backends import BACKENDS, resolve as resolve_backend
 from orchestrator.core.kinds import ACTIONS, KINDS
+from orchestrator.core.standbymode import StandbyMode
 from orchestrator.core.spec import (_FACTORY_RE, BUILTIN_CALLBACKS, CELL_MODULE, ENGINES,
                                     SCHEDULES, STANDBY_MODES, STRATEGIES, CallbackSpec,
                                     CheckpointSpec, CodeSpec, CompileSpec, CrashLoopSpec, Factory,
@@ -309,7 +310,7 @@ def _callbacks(r: _Reader, v) -> tuple:
 def _off_is_a_word(data: dict, key: str) -> dict:
     """YAML 1.1 reads a bare ``off`` as false: ``standby: off`` means the mode "off"."""
     if data.get(key) is False:
-        return dict(data, **{key: "off"})
+        return dict(data, **{key: StandbyMode.OFF})
     return data
 
 def load(path: str, run_dir: str | None = None, backend: str | None = None) -> JobSpec:

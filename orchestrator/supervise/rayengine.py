@@ -22,6 +22,7 @@ import os
 import signal
 import threading
 
+from orchestrator.core.rundir import ENV_RAY_PLACEMENT_TIMEOUT
 from orchestrator.supervise.group import EngineUnavailable, Member, free_port
 
 # What Ray sets in an actor for the resources of its bundle; the worker must see the same.
@@ -124,7 +125,7 @@ class RayEngine:
 
         self.close()
         self.pg = placement_group([dict(self.resources)] * size, strategy="SPREAD")
-        timeout = float(os.environ.get("ORCHESTRATOR_RAY_PLACEMENT_TIMEOUT", "120"))
+        timeout = float(os.environ.get(ENV_RAY_PLACEMENT_TIMEOUT, "120"))
         if not self.pg.wait(timeout):
             raise RayUnavailable(f"Ray could not place {size} worker(s) of {self.resources} "
                                  f"each within {timeout:.0f} s (ray status shows what it has)")

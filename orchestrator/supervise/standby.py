@@ -30,13 +30,13 @@ from typing import Callable
 from orchestrator.core.events import Event
 from orchestrator.core.journal import Journal
 from orchestrator.core.kinds import Action
-from orchestrator.core.rundir import RunDir
+from orchestrator.core.rundir import ENV_PREFIX, RunDir
 from orchestrator.core.spec import JobSpec
+from orchestrator.core.standbymode import StandbyMode
 from orchestrator.recovery.failures import read_tail
 from orchestrator.supervise.attempt import spawn, watch_exit
 
-WARM = "warm"                # imported, built, compiled, traced
-IMPORT_ONLY = "import_only"  # imported TensorFlow only (a TPU the active worker holds)
+WARM, IMPORT_ONLY = StandbyMode.WARM, StandbyMode.IMPORT_ONLY
 
 
 def mode_for(setting: str, strategy: str, accelerator: str | None) -> tuple[str | None, str]:
@@ -48,7 +48,7 @@ def mode_for(setting: str, strategy: str, accelerator: str | None) -> tuple[str 
     only imports TensorFlow. On a TPU VM, libtpu is loaded when TensorFlow is imported and only
     one process may hold it: a standby that imported TensorFlow beside the training worker
     would have no TPU when promoted, so there is none."""
-    if setting == "off":
+    if setting == StandbyMode.OFF:
         return None, "standby: off"
     if setting == IMPORT_ONLY:
         return IMPORT_ONLY, "standby: import_only"
@@ -61,7 +61,7 @@ def mode_for(setting: str, strategy: str, accelerator: str | None) -> tuple[str 
 
 def _overrides(env: dict) -> dict:
     """What a recovery action changes for the next worker: its ORCHESTRATOR_* variables."""
-    return {k: v for k, v in env.items() if k.startswith("ORCHESTRATOR_")}
+    return {k: v for k, v in env.items() if k.startswith(ENV_PREFIX)}
 
 
 class Standby:

@@ -35,6 +35,7 @@ import time
 import traceback
 
 from orchestrator.core.rundir import EXIT_PREEMPTED
+from orchestrator.core.standbymode import StandbyMode
 
 STANDBY_NICE = 19
 STANDBY_OOM_SCORE_ADJ = 1000  # the kernel's OOM killer takes the standby before the worker
@@ -148,7 +149,7 @@ def serve(spec, rd, attempt: int, mode: str, notice, t0: float) -> int:
     prep = None
     try:
         marks = configure(spec, t0)
-        if mode == "warm":
+        if mode == StandbyMode.WARM:
             prep = prepare(spec, t0, marks)
             trace(prep)
             prep.backend.after_compile()
