@@ -1,8 +1,30 @@
+import subprocess
 import textwrap
 
 import pytest
 
 from helpers import supervise
+
+
+@pytest.fixture(autouse=True)
+def _the_fast_tier_starts_no_process(request, monkeypatch):
+    """The fast tier (neither ``integration`` nor ``e2e``) runs in seconds because none of its
+    tests starts a process: one that does fails here, naming the marker it needs, instead of
+    slowing every run of the tier down unnoticed."""
+    if any(request.node.get_closest_marker(m) for m in ("integration", "e2e")):
+        yield
+        return
+    started = []
+    real = subprocess.Popen._execute_child
+
+    def record(self, args, *rest, **kw):
+        started.append(args)
+        return real(self, args, *rest, **kw)
+
+    monkeypatch.setattr(subprocess.Popen, "_execute_child", record)
+    yield
+    assert not started, (f"a test of the fast tier started a process ({started[0]!r}): mark "
+                         f"it @pytest.mark.integration")
 
 
 @pytest.fixture(autouse=True)

@@ -70,6 +70,7 @@ def frozen(tmp_path, ns=None, **keys):
     return load(spec.job_path, run_dir=spec.run_dir), cj
 
 
+@pytest.mark.integration
 def test_the_functions_round_trip_by_value_into_a_process_that_never_saw_the_cell(tmp_path):
     spec, cj = frozen(tmp_path)
     assert spec.model.target == "__cell__:build_model" and spec.data.target == "__cell__:load_data"
@@ -112,6 +113,7 @@ def _fingerprint(tmp_path, src, filename, seed):
     return out.stdout.split()
 
 
+@pytest.mark.integration
 def test_the_same_cell_in_another_kernel_has_the_same_fingerprint_and_changed_code_another(
         tmp_path):
     """The pickle's bytes hold the cell's file name, its line numbers and random class ids;
@@ -135,6 +137,7 @@ def test_the_training_hash_covers_the_code_and_a_yaml_job_s_hash_is_unchanged(tm
     assert "code" not in load(fake_job()).training_relevant()
 
 
+@pytest.mark.integration
 def test_the_supervisor_freezes_the_code_only_once_the_run_is_admitted(tmp_path):
     """A refused resume (changed code) must leave the run's own code file as it was."""
     class FakeWorkerSupervisor(Supervisor):

@@ -3,7 +3,6 @@ worker, the hang clock, the run directory's outage, the flush's deadline, the du
 backoff and remounts. What the integration tests prove with real processes and seconds of real
 waiting (test_run_dir_outage.py, test_supervisor_recovery.py), here in microseconds."""
 import errno
-import os
 import signal
 import threading
 
@@ -12,7 +11,7 @@ import pytest
 from helpers import FakeClock
 from orchestrator.core import heartbeat
 from orchestrator.core.journal import Journal
-from orchestrator.core.lock import Lease, LockLost, RunLock
+from orchestrator.core.lock import Lease, LockLost
 from orchestrator.core.rundir import RunDir
 from orchestrator.supervise.controlmirror import ControlMirror, Outage
 from orchestrator.supervise.hangs import HangClock

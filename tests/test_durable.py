@@ -21,6 +21,11 @@ from orchestrator.ops.status import format_status, run_status
 from orchestrator.supervise.admission import IncompatibleResume
 from orchestrator.supervise.supervisor import Supervisor
 
+# integration: the real supervisor with the fake worker, a supervisor killed
+# mid-upload: real processes, real waiting
+pytestmark = pytest.mark.integration
+
+
 CKPT = "checkpoint: {keep: 2, keep_every_epochs: 3, upload_backoff: {initial: 0.02, max: 0.1}}"
 
 

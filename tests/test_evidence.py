@@ -221,6 +221,7 @@ def _diagnose_cli(args, stdin=None):
     return p.returncode, p.stdout, p.stderr
 
 
+@pytest.mark.integration
 def test_diagnose_names_the_deciding_layer_and_what_it_matched():
     t = next(t for t in TEXTS if t["id"] == "cpu_h5py_checkpoint_enospc")
     rc, out, err = _diagnose_cli(["-"], stdin=t["text"])

@@ -136,6 +136,7 @@ def _diagnose(args, stdin=None):
     return p.returncode, p.stdout, p.stderr
 
 
+@pytest.mark.integration
 def test_diagnose_reads_stdin_and_files_and_names_the_action(tmp_path):
     rc, out, _ = _diagnose(["-"], stdin=WRAPPED[4][2])
     assert rc == 0
@@ -159,6 +160,7 @@ def test_diagnose_reads_stdin_and_files_and_names_the_action(tmp_path):
     assert json.loads(_diagnose(["-"], stdin="all good")[1])["kind"] == "unknown"
 
 
+@pytest.mark.integration
 def test_diagnose_of_a_missing_file_is_a_clear_error(tmp_path):
     rc, out, err = _diagnose([str(tmp_path / "nope.log")])
     assert rc == 2 and "nope.log: cannot read" in err and "Traceback" not in err

@@ -13,6 +13,10 @@ from orchestrator.core.osutil import pid_alive
 
 jupyter_client = pytest.importorskip("jupyter_client", reason="needs the test extra")
 
+# integration: a real Jupyter kernel running the supervisor and the fake
+# worker: real processes, real waiting
+pytestmark = pytest.mark.integration
+
 SETUP = f"""
 import sys
 sys.path[:0] = [{os.path.join(ROOT, 'tests')!r}, {ROOT!r}]
@@ -131,6 +135,7 @@ def test_cell_shows_progress_and_an_interrupt_stops_the_worker_then_rerun_resume
 
 CELL_JOB = """
 import numpy as np
+
 
 class Size:
     n = 8

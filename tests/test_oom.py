@@ -110,6 +110,7 @@ def _memory_cgroup(limit=160 << 20):
     pytest.skip("no writable memory cgroup on this machine")
 
 
+@pytest.mark.integration
 def test_a_real_oom_kill_of_the_worker_is_classified_out_of_memory(fake_job, tmp_path):
     """The supervisor and the fake worker run in a 160 MiB memory cgroup made here (as root,
     cgroup v1 on this machine); attempt 1 allocates 400 MiB and the kernel kills it."""

@@ -6,6 +6,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from orchestrator.recovery import probes
 
 
@@ -25,6 +27,7 @@ def test_tpu_node_probe_is_tcp_reachability_of_the_grpc_address():
     assert (r.accelerator, r.state) == ("tpu_node", "unavailable") and str(port) in r.detail
 
 
+@pytest.mark.integration
 def test_tpu_vm_probe_sees_devices_and_who_holds_the_libtpu_lock(tmp_path):
     dev = tmp_path / "accel0"
     lock = tmp_path / "libtpu_lockfile"
@@ -59,6 +62,7 @@ def _fake_nvidia_smi(tmp_path, script: str) -> dict:
     return {"PATH": f"{exe.parent}{os.pathsep}/usr/bin:/bin"}
 
 
+@pytest.mark.integration
 def test_gpu_probe_runs_nvidia_smi(tmp_path):
     env = _fake_nvidia_smi(tmp_path, 'echo "0, NVIDIA A100-SXM4-40GB, 3, 40960"\n')
     r = probes.for_strategy("auto", env)()

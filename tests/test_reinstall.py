@@ -17,6 +17,10 @@ from orchestrator.recovery.reinstall import installed, reinstall_tensorflow
 from orchestrator.core.spec import RecoverySpec, load
 from orchestrator.supervise.supervisor import Supervisor
 
+# integration: real pip installs into a target folder: real processes, real waiting
+pytestmark = pytest.mark.integration
+
+
 DIST, MODULE, VERSION = "orchestrator-fakeflow", "fakeflow", "1.0"
 
 

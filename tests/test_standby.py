@@ -31,6 +31,7 @@ def _all_gone(events):
         assert not pid_alive(e["pid"]), e
 
 
+@pytest.mark.integration
 def test_a_killed_worker_is_replaced_by_the_warm_standby_and_a_new_one_starts(fake_job, tmp_path):
     plan = dict(SLOW, exit_at_epoch={"1": [3, -9]})
     rc, out, events = supervise(fake_job(epochs=4), plan, standby=True)
@@ -52,12 +53,14 @@ def test_a_killed_worker_is_replaced_by_the_warm_standby_and_a_new_one_starts(fa
     _all_gone(events)
 
 
+@pytest.mark.integration
 def test_a_standby_starts_only_once_the_worker_trains(fake_job):
     _, _, events = supervise(fake_job(epochs=2), SLOW, standby=True)
     names = [(e["event"], e.get("attempt", e.get("for_attempt"))) for e in events]
     assert names.index(("standby_started", 2)) > names.index(("first_step", 1))
 
 
+@pytest.mark.integration
 def test_an_action_that_needs_a_fresh_process_discards_the_standby(fake_job):
     job = fake_job(epochs=4, extra="recovery: {ladders: {unknown: [reinit_accelerator, restart]}}")
     plan = dict(SLOW, exit_at_epoch={"1": [3, 1]})
@@ -76,6 +79,7 @@ def test_an_action_that_needs_a_fresh_process_discards_the_standby(fake_job):
     _all_gone(events)
 
 
+@pytest.mark.integration
 def test_a_standby_that_fails_to_warm_up_is_replaced_once_then_the_recovery_is_cold(fake_job):
     plan = dict(SLOW, exit_at_epoch={"1": [4, -9]}, standby_exit={"2": 1})
     rc, out, events = supervise(fake_job(epochs=5), plan, standby=True)
@@ -91,6 +95,7 @@ def test_a_standby_that_fails_to_warm_up_is_replaced_once_then_the_recovery_is_c
     _all_gone(events)
 
 
+@pytest.mark.integration
 def test_a_standby_still_warming_up_is_not_promoted_the_recovery_is_cold(fake_job):
     plan = dict(SLOW, exit_at_epoch={"1": [3, -9]}, standby_warm_s=30)
     rc, out, events = supervise(fake_job(epochs=4), plan, standby=True)
@@ -102,6 +107,7 @@ def test_a_standby_still_warming_up_is_not_promoted_the_recovery_is_cold(fake_jo
     _all_gone(events)
 
 
+@pytest.mark.integration
 def test_standby_off_starts_none(fake_job):
     rc, _, events = supervise(fake_job(epochs=3, extra="standby: off"),
                               dict(SLOW, exit_at_epoch={"1": [2, -9]}), standby=True)
@@ -123,6 +129,7 @@ def test_the_mode_per_setting_and_strategy(setting, strategy, accelerator, mode)
     assert mode_for(setting, strategy, accelerator)[0] == mode
 
 
+@pytest.mark.integration
 def test_a_standby_is_unfit_when_the_next_attempt_s_settings_changed(tmp_path):
     import queue
 
@@ -163,6 +170,7 @@ print(standby.restore_priority(before), nices(), score())
 """
 
 
+@pytest.mark.integration
 @pytest.mark.skipif(os.geteuid() != 0, reason="restoring a priority needs root (as on Colab)")
 def test_the_standby_lowers_every_thread_and_puts_them_back_when_promoted():
     import subprocess
