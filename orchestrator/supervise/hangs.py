@@ -15,20 +15,21 @@ from watchdog.events import FileSystemEventHandler
 
 from orchestrator.core import heartbeat
 from orchestrator.core.clock import SYSTEM, Clock
+from orchestrator.supervise.messages import Beat
 
 # Heartbeat phases written once a training step is done (core/heartbeat.Phase).
 STEPPED = heartbeat.Phase.STEPPED
 
 
 class HeartbeatEvents(FileSystemEventHandler):
-    """Puts ("heartbeat",) on the supervisor's queue whenever heartbeat.json is replaced."""
+    """Puts ``Beat()`` on the supervisor's queue whenever heartbeat.json is replaced."""
 
     def __init__(self, q: queue.Queue):
         self.q = q
 
     def _check(self, path) -> None:
         if os.path.basename(os.fsdecode(path)) == heartbeat.FILE:
-            self.q.put(("heartbeat",))
+            self.q.put(Beat())
 
     def on_moved(self, event):
         self._check(event.dest_path)

@@ -58,6 +58,7 @@ from orchestrator.supervise.group import GroupAttempt, LocalEngine
 from orchestrator.supervise.hangs import HangClock, HeartbeatEvents
 from orchestrator.supervise.lease import LeaseKeeper
 from orchestrator.supervise.ledger import CheckpointLedger
+from orchestrator.supervise.messages import Committed, Stop
 from orchestrator.supervise.standby import Keeper
 
 # A run directory that does not answer at start is retried this long (a Drive mount that is
@@ -81,7 +82,7 @@ class _CheckpointEvents(FileSystemEventHandler):
     def _maybe(self, path) -> None:
         name = os.path.basename(os.fsdecode(path))
         if name == COMMIT_MARKER or (len(name) == 10 and name.isdigit()):
-            self.q.put(("checkpoint", path))
+            self.q.put(Committed(path))
 
 
 def worker_command(spec: JobSpec, attempt: int) -> list[str]:
@@ -315,7 +316,7 @@ class Supervisor:
     def _on_lock_lost(self, lost: LockLost) -> None:
         self.mirror.stop(timeout=0)  # no more uploads; a flush waiting on it returns
         self._stop.set()
-        self.q.put(("stop",))
+        self.q.put(Stop())
 
     def _signal_worker(self, sig: int) -> int | None:
         a = self.attempt
@@ -487,7 +488,7 @@ class Supervisor:
         def handler(signum, frame):
             self.stop_signal = signum
             self._stop.set()
-            self.q.put(("stop",))
+            self.q.put(Stop())
 
         return {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
 
