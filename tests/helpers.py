@@ -43,7 +43,7 @@ def supervise(job, plan, out=None, standby=False):
     import io
 
     from orchestrator.core.journal import Journal
-    from orchestrator.core.spec import load
+    from orchestrator.core.specload import load
     from orchestrator.supervise.supervisor import Supervisor
 
     out = out if out is not None else io.StringIO()
@@ -57,7 +57,7 @@ def supervisor_process(job, plan):
     """The real supervisor with the fake worker, in its own process (to signal or kill it)."""
     code = ("import sys; sys.path.insert(0, %r); sys.path.insert(0, %r)\n"
             "from helpers import fake_worker_cmd\n"
-            "from orchestrator.core.spec import load\n"
+            "from orchestrator.core.specload import load\n"
             "from orchestrator.supervise.supervisor import Supervisor\n"
             "sys.exit(Supervisor(load(%r), worker_cmd=fake_worker_cmd).run())\n"
             % (os.path.join(ROOT, "tests"), ROOT, job))
@@ -69,7 +69,7 @@ def live(job, run_dir) -> "RunDir":
     """Where a running job's journal and heartbeat are written first (its local control folder,
     mirrored to the run directory every 0.5 s): tests that act at a precise moment read here."""
     from orchestrator.core.rundir import RunDir
-    from orchestrator.core.spec import load
+    from orchestrator.core.specload import load
 
     return RunDir.for_spec(load(str(job), run_dir=str(run_dir)))
 

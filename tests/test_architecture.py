@@ -91,3 +91,18 @@ def _files_below(root):
         dirs[:] = [d for d in dirs if not d.startswith(".") and not d.endswith(".egg-info")]
         for name in names:
             yield pathlib.Path(dirpath, name)
+
+
+def test_no_import_cycle_outside_the_worker():
+    """Two modules that import each other cannot be read, tested or replaced one at a time:
+    core/spec.py and specload.py did, and spec.py reached up into checkpoint/store.py (for
+    Retention, now core/retention.py). train/ is left out while its backends are reshaped."""
+    import grimp
+
+    graph = grimp.build_graph("orchestrator", cache_dir=None)
+    cycles = sorted({tuple(sorted((a, b))) for a in graph.modules
+                     if not a.startswith("orchestrator.train")
+                     for b in graph.find_modules_directly_imported_by(a)
+                     if b.startswith("orchestrator.") and not b.startswith("orchestrator.train")
+                     and graph.chain_exists(importer=b, imported=a)})
+    assert not cycles, cycles

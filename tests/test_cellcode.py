@@ -15,7 +15,8 @@ import pytest
 from helpers import fake_env, fake_worker_cmd
 from orchestrator import api
 from orchestrator.core import cellcode
-from orchestrator.core.spec import SpecError, load
+from orchestrator.core.spec import SpecError
+from orchestrator.core.specload import load
 from orchestrator.supervise.admission import IncompatibleResume
 from orchestrator.supervise.supervisor import Supervisor
 
@@ -80,7 +81,7 @@ def test_the_functions_round_trip_by_value_into_a_process_that_never_saw_the_cel
     assert spec.code.sha256 == cj.code.sha256
     out = subprocess.run([sys.executable, "-c", (
         "import sys; from orchestrator.core import cellcode; "
-        "from orchestrator.core.spec import load; "
+        "from orchestrator.core.specload import load; "
         f"spec = load({spec.job_path!r}); f = cellcode.load(spec.job_path, spec.code); "
         "print(f['load_data'](3)['train'][0].tolist(), sorted(f['build_model']()))")],
         env=fake_env({}), capture_output=True, text=True, cwd=str(tmp_path))

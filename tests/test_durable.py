@@ -16,7 +16,7 @@ from drivefaults import DriveFaults
 from orchestrator import cli
 from orchestrator.checkpoint import tiers
 from orchestrator.core.journal import Journal
-from orchestrator.core.spec import load
+from orchestrator.core.specload import load
 from orchestrator.ops.status import format_status, run_status
 from orchestrator.supervise.admission import IncompatibleResume
 from orchestrator.supervise.supervisor import Supervisor
@@ -108,7 +108,7 @@ def test_supervisor_killed_during_a_durable_upload_leaves_nothing_half_done(fake
     code = ("import sys; sys.path.insert(0, %r); sys.path.insert(0, %r)\n"
             "from helpers import fake_worker_cmd\n"
             "from drivefaults import DriveFaults\n"
-            "from orchestrator.core.spec import load\n"
+            "from orchestrator.core.specload import load\n"
             "from orchestrator.supervise.supervisor import Supervisor\n"
             "with DriveFaults(%r) as d:\n"
             "    d.delay = 0.3\n"

@@ -13,7 +13,7 @@ from helpers import ROOT
 from orchestrator.checkpoint.store import CheckpointStore
 from orchestrator.core.journal import Journal
 from orchestrator.core.rundir import RunDir
-from orchestrator.core.spec import load
+from orchestrator.core.specload import load
 
 pytestmark = pytest.mark.e2e
 

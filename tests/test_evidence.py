@@ -11,7 +11,7 @@ import yaml
 
 from helpers import ROOT
 from orchestrator.core.kinds import KINDS, Kind
-from orchestrator.core.spec import load
+from orchestrator.core.specload import load
 from orchestrator.recovery import evidence, failures
 from orchestrator.recovery.evidence import JobContext
 from orchestrator.recovery.failures import LAYERS, classify

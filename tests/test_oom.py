@@ -120,7 +120,7 @@ def test_a_real_oom_kill_of_the_worker_is_classified_out_of_memory(fake_job, tmp
         code = ("import os, sys; sys.path.insert(0, %r); sys.path.insert(0, %r)\n"
                 "open(os.path.join(%r, 'cgroup.procs'), 'w').write(str(os.getpid()))\n"
                 "from helpers import fake_worker_cmd\n"
-                "from orchestrator.core.spec import load\n"
+                "from orchestrator.core.specload import load\n"
                 "from orchestrator.supervise.supervisor import Supervisor\n"
                 "sys.exit(Supervisor(load(%r), worker_cmd=fake_worker_cmd).run())\n"
                 % (os.path.join(ROOT, "tests"), ROOT, cg, job))

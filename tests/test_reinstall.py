@@ -14,7 +14,8 @@ import pytest
 from helpers import fake_env, fake_worker_cmd
 from orchestrator.core.journal import Journal
 from orchestrator.recovery.reinstall import installed, reinstall_tensorflow
-from orchestrator.core.spec import RecoverySpec, load
+from orchestrator.core.spec import RecoverySpec
+from orchestrator.core.specload import load
 from orchestrator.supervise.supervisor import Supervisor
 
 # integration: real pip installs into a target folder: real processes, real waiting

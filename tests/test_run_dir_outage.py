@@ -19,7 +19,7 @@ from helpers import supervisor_process
 from orchestrator.checkpoint.store import CheckpointStore
 from orchestrator.core.journal import Journal
 from orchestrator.core.rundir import EXIT_LOCK_LOST, RunDir
-from orchestrator.core.spec import load
+from orchestrator.core.specload import load
 from orchestrator.ops.status import format_status, run_status
 
 # integration: the real supervisor in its own process, outages of seconds: real processes,

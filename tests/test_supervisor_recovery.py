@@ -13,7 +13,7 @@ from helpers import fake_env, fake_worker_cmd
 from orchestrator.checkpoint import tiers
 from orchestrator.core.journal import Journal
 from orchestrator.core.osutil import pid_alive
-from orchestrator.core.spec import load
+from orchestrator.core.specload import load
 from orchestrator.supervise.supervisor import Supervisor
 
 # integration: the real supervisor with the fake worker: real processes, real waiting

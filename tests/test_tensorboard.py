@@ -9,7 +9,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tensorboard.compat.proto import event_pb2, summary_pb2
 from tensorboard.summary.writer.record_writer import RecordWriter
 
-from orchestrator.core.spec import SpecError, TensorBoardSpec, load
+from orchestrator.core.spec import SpecError, TensorBoardSpec
+from orchestrator.core.specload import load
 from orchestrator.train import tensorboard as tb
 from orchestrator.train.jobcode import JobError
 

@@ -1,8 +1,9 @@
 """Job spec: the validated dataclasses a job file becomes, with each field's default.
 
-``load`` (in specload.py, re-exported here) reads the YAML; every error names the file, the
-line, the key and what was expected, because the person reading it is usually looking at a
-notebook cell hours after they wrote the YAML.
+``specload.load`` reads the YAML into them; every error names the file, the line, the key and
+what was expected, because the person reading it is usually looking at a notebook cell hours
+after they wrote the YAML. The loader imports this module, never the other way round: the
+classes and their defaults are what both the loader and every reader of a spec need.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from orchestrator.core.retention import Retention
 from orchestrator.core.standbymode import StandbyMode
 
 
@@ -88,9 +90,7 @@ class CheckpointSpec:
     background: bool = True
 
     @property
-    def retention(self):
-        from orchestrator.checkpoint.store import Retention
-
+    def retention(self) -> Retention:
         return Retention(self.keep, self.keep_every_epochs, self.keep_best, self.keep_best_mode)
 
 
@@ -247,7 +247,3 @@ class JobSpec:
         blob = json.dumps(self.training_relevant(), sort_keys=True, default=str).encode()
         return hashlib.sha256(blob).hexdigest()
 
-
-# The loader reads these dataclasses; it lives in its own module (YAML with line numbers, every
-# error at once). Imported last: it imports the classes above.
-from orchestrator.core.specload import load  # noqa: E402,F401

@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 import traceback
+from types import SimpleNamespace
 
 from orchestrator.checkpoint import tiers
 from orchestrator.checkpoint.writer import CheckpointWriter
@@ -29,7 +30,8 @@ from orchestrator.core.rundir import (CPU_DEVICES_ENV, ENV_BATCH_SIZE, ENV_REINI
                                       ENV_RESTORE_STEP, ENV_STRATEGY, EXIT_CONFIG, EXIT_PREEMPTED,
                                       JOURNAL_FILE, RunDir)
 from orchestrator.core.backends import ENV_BACKEND
-from orchestrator.core.spec import JobSpec, SpecError, load
+from orchestrator.core.spec import JobSpec, SpecError
+from orchestrator.core.specload import load
 from orchestrator.core.standbymode import StandbyMode
 from orchestrator.core.events import Event
 from orchestrator.train.preemption import Preempted, PreemptionNotice
@@ -449,7 +451,9 @@ def main(argv=None) -> int:
     if args.standby:
         from orchestrator.train import standby
 
-        return standby.serve(spec, rd, args.attempt, args.standby, notice, t_start)
+        return standby.serve(spec, rd, args.attempt, args.standby, notice, t_start,
+                             SimpleNamespace(configure=configure, guarded=guarded,
+                                             prepare=prepare, run=run))
     progress = Position()
     return guarded(rd, args.attempt, progress,
                     lambda: _cold(spec, rd, args.attempt, progress, t_start, notice))
