@@ -19,7 +19,7 @@ from orchestrator.core.standbymode import StandbyMode
 
 
 STRATEGIES = ("auto", "tpu", "gpu", "cpu")
-SCHEDULES = ("step_decay", "cosine", "piecewise")
+SCHEDULES = ("step_decay", "cosine", "piecewise")  # SCHEDULE_PARAMS's keys, in this order
 BUILTIN_CALLBACKS = ("early_stopping", "reduce_lr_on_plateau", "terminate_on_nan")
 STANDBY_MODES = StandbyMode.SETTINGS
 ENGINES = ("local", "ray")  # who places the workers of a multi-worker job
@@ -102,6 +102,33 @@ class LearningRateSpec:
     schedule: str | None = None
     params: dict = field(default_factory=dict)
     function: Factory | None = None
+
+
+# The parameters of each built-in ``learning_rate`` schedule, with their defaults: the loader's
+# keys and defaults (specload.py), the keyword arguments of train/schedules.py's functions.
+@dataclass(frozen=True)
+class StepDecayParams:
+    initial: float | None = None  # None: the optimizer's own rate
+    factor: float = 0.1
+    every: int = 1
+
+
+@dataclass(frozen=True)
+class CosineParams:
+    initial: float | None = None
+    minimum: float = 0.0
+    decay_epochs: int | None = None  # None: the epochs after the warm-up
+    warmup_epochs: int = 0
+
+
+@dataclass(frozen=True)
+class PiecewiseParams:
+    boundaries: tuple = ()
+    values: tuple = ()
+
+
+SCHEDULE_PARAMS = {"step_decay": StepDecayParams, "cosine": CosineParams,
+                   "piecewise": PiecewiseParams}
 
 
 @dataclass(frozen=True)
