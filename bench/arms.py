@@ -20,7 +20,7 @@ from orchestrator.ops import timeline
 from orchestrator.core.journal import Journal
 from orchestrator.core.osutil import read_json
 from orchestrator.core.rundir import RunDir
-from orchestrator.core.spec import load
+from orchestrator.core.specload import load
 
 from . import breakdown, procs
 

@@ -45,7 +45,7 @@ def learning_rate_schedule(job_path, base_lr):
     """The job's schedule as the ``(epoch, lr) -> lr`` a LearningRateScheduler takes: the
     orchestrator's own formulas (``orchestrator.train.schedules``), so both arms use the same rates."""
     from orchestrator.train import schedules
-    from orchestrator.core.spec import load
+    from orchestrator.core.specload import load
 
     spec = load(job_path)
     if spec.learning_rate is None:

@@ -21,7 +21,8 @@ import yaml
 
 from orchestrator.core import cellcode
 from orchestrator.core.rundir import EXIT_STOPPED, RunDir
-from orchestrator.core.spec import CELL_MODULE, SpecError, load
+from orchestrator.core.spec import CELL_MODULE, SpecError
+from orchestrator.core.specload import load
 from orchestrator.core.specload import load_mapping
 from orchestrator.supervise.supervisor import Supervisor
 

@@ -33,7 +33,7 @@ def _cmd_run(args) -> int:
 
 def _cmd_diagnose(args) -> int:
     from orchestrator.ops.diagnose import diagnose
-    from orchestrator.core.spec import load
+    from orchestrator.core.specload import load
 
     try:
         if args.file == "-":

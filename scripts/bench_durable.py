@@ -25,7 +25,7 @@ sys.path[:0] = [os.path.join(ROOT, "tests"), ROOT]
 from drivefaults import DriveFaults  # noqa: E402
 from orchestrator.checkpoint import tiers  # noqa: E402
 from orchestrator.core.journal import Journal  # noqa: E402
-from orchestrator.core.spec import load  # noqa: E402
+from orchestrator.core.specload import load  # noqa: E402
 from orchestrator.supervise.supervisor import Supervisor  # noqa: E402
 
 JOBS = {

@@ -1,12 +1,30 @@
-import os
 import subprocess
-import sys
 import textwrap
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FAKE_WORKER = os.path.join(ROOT, "tests", "fakes", "fake_worker.py")
+from helpers import supervise
+
+
+@pytest.fixture(autouse=True)
+def _the_fast_tier_starts_no_process(request, monkeypatch):
+    """The fast tier (neither ``integration`` nor ``e2e``) runs in seconds because none of its
+    tests starts a process: one that does fails here, naming the marker it needs, instead of
+    slowing every run of the tier down unnoticed."""
+    if any(request.node.get_closest_marker(m) for m in ("integration", "e2e")):
+        yield
+        return
+    started = []
+    real = subprocess.Popen._execute_child
+
+    def record(self, args, *rest, **kw):
+        started.append(args)
+        return real(self, args, *rest, **kw)
+
+    monkeypatch.setattr(subprocess.Popen, "_execute_child", record)
+    yield
+    assert not started, (f"a test of the fast tier started a process ({started[0]!r}): mark "
+                         f"it @pytest.mark.integration")
 
 
 @pytest.fixture(autouse=True)
@@ -20,15 +38,9 @@ def _local_tier_in_pytest_tmp(tmp_path_factory, monkeypatch):
     monkeypatch.setattr(tempfile, "tempdir", None)
 
 
-# The Keras backends a guarantee is proven on: an end-to-end test marked ``@BOTH_BACKENDS``
-# runs once per backend, its job saying ``backend: <backend>`` (the ``backend`` fixture).
-BACKENDS = ("tensorflow", "jax")
-BOTH_BACKENDS = pytest.mark.parametrize("backend", BACKENDS)
-
-
 @pytest.fixture
 def backend():
-    """The job's backend where a test does not ask for both (``@BOTH_BACKENDS``)."""
+    """The job's backend where a test does not ask for both (``helpers.BOTH_BACKENDS``)."""
     return "tensorflow"
 
 
@@ -84,39 +96,6 @@ def fake_job(write_job, tmp_path):
     return make
 
 
-def fake_worker_cmd(spec, attempt):
-    return [sys.executable, FAKE_WORKER, spec.job_path, "--run-dir", spec.run_dir,
-            "--attempt", str(attempt)]
-
-
-def fake_standby_cmd(spec, attempt, mode):
-    return fake_worker_cmd(spec, attempt) + ["--standby", mode]
-
-
-def fake_env(plan: dict) -> dict:
-    import json
-
-    env = dict(os.environ, FAKE_PLAN=json.dumps(plan))
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    return env
-
-
-def supervise(job, plan, out=None, standby=False):
-    """Run the real supervisor with the fake worker; return (rc, its output, journal events).
-    ``standby``: with the fake standby (else none, as with any custom worker command)."""
-    import io
-
-    from orchestrator.core.journal import Journal
-    from orchestrator.core.spec import load
-    from orchestrator.supervise.supervisor import Supervisor
-
-    out = out if out is not None else io.StringIO()
-    sup = Supervisor(load(job), worker_cmd=fake_worker_cmd, out=out, env=fake_env(plan),
-                     standby_cmd=fake_standby_cmd if standby else None)
-    rc = sup.run()
-    return rc, out.getvalue(), Journal(sup.rd.journal).events()
-
-
 @pytest.fixture
 def finished_run(fake_job, tmp_path):
     """A run dir written by the real supervisor: attempt 1 SIGKILLed at epoch 3, then done."""
@@ -133,38 +112,3 @@ def failed_run(fake_job, tmp_path):
                          {"exit": {str(n): 1 for n in range(1, 10)}})
     assert rc == 1
     return str(tmp_path / "run")
-
-
-def supervisor_process(job, plan):
-    """The real supervisor with the fake worker, in its own process (to signal or kill it)."""
-    code = ("import sys; sys.path.insert(0, %r); sys.path.insert(0, %r)\n"
-            "from conftest import fake_worker_cmd\n"
-            "from orchestrator.core.spec import load\n"
-            "from orchestrator.supervise.supervisor import Supervisor\n"
-            "sys.exit(Supervisor(load(%r), worker_cmd=fake_worker_cmd).run())\n"
-            % (os.path.join(ROOT, "tests"), ROOT, job))
-    return subprocess.Popen([sys.executable, "-c", code], env=fake_env(plan),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-def live(job, run_dir) -> "RunDir":
-    """Where a running job's journal and heartbeat are written first (its local control folder,
-    mirrored to the run directory every 0.5 s): tests that act at a precise moment read here."""
-    from orchestrator.core.rundir import RunDir
-    from orchestrator.core.spec import load
-
-    return RunDir.for_spec(load(str(job), run_dir=str(run_dir)))
-
-
-def wait_until(cond, timeout=120, what="condition"):
-    """Poll ``cond`` until it gives something true (returned); an AssertionError naming
-    ``what`` after ``timeout`` s. For tests that act when a run reaches a moment."""
-    import time
-
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        got = cond()
-        if got:
-            return got
-        time.sleep(0.02)
-    raise AssertionError(f"{what} not met within {timeout} s")

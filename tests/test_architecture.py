@@ -19,12 +19,14 @@ def _lint_imports(config: str | None = None):
     return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
 
 
+@pytest.mark.integration
 def test_import_contracts_hold():
     p = _lint_imports()
     assert p.returncode == 0, p.stdout + p.stderr
     assert "0 broken" in p.stdout
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("framework", ["tensorflow", "jax"])
 def test_a_framework_import_inside_a_supervisor_function_breaks_the_contract(tmp_path,
                                                                               framework):
@@ -72,7 +74,7 @@ def test_no_file_holds_merge_conflict_markers():
 
     root = pathlib.Path(__file__).resolve().parent.parent
     bad = []
-    for path in root.rglob("*"):
+    for path in _files_below(root):
         if path.suffix not in (".py", ".md", ".toml", ".yaml", ".yml", ".sh") or any(
                 part.startswith(".") or part.endswith(".egg-info") for part in path.parts):
             continue
@@ -80,3 +82,29 @@ def test_no_file_holds_merge_conflict_markers():
             if line.startswith(("<<<<<<< ", ">>>>>>> ")):
                 bad.append(f"{path.relative_to(root)}:{n}")
     assert not bad, bad
+
+
+def _files_below(root):
+    """Every file below ``root``, without descending into the folders the check skips anyway
+    (``.venv``, ``.git``, ``*.egg-info``): walking .venv's thousands of files took 3 s."""
+    import pathlib
+
+    for dirpath, dirs, names in os.walk(root):
+        dirs[:] = [d for d in dirs if not d.startswith(".") and not d.endswith(".egg-info")]
+        for name in names:
+            yield pathlib.Path(dirpath, name)
+
+
+def test_no_import_cycle_outside_the_worker():
+    """Two modules that import each other cannot be read, tested or replaced one at a time:
+    core/spec.py and specload.py did, and spec.py reached up into checkpoint/store.py (for
+    Retention, now core/retention.py). train/ is left out while its backends are reshaped."""
+    import grimp
+
+    graph = grimp.build_graph("orchestrator", cache_dir=None)
+    cycles = sorted({tuple(sorted((a, b))) for a in graph.modules
+                     if not a.startswith("orchestrator.train")
+                     for b in graph.find_modules_directly_imported_by(a)
+                     if b.startswith("orchestrator.") and not b.startswith("orchestrator.train")
+                     and graph.chain_exists(importer=b, imported=a)})
+    assert not cycles, cycles

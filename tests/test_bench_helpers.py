@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT
+from helpers import ROOT
 
 sys.path.insert(0, ROOT)
 from bench import arms, breakdown, report, stats, targets  # noqa: E402

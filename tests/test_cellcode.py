@@ -13,10 +13,11 @@ import threading
 import pytest
 
 import noimport
-from conftest import fake_env, fake_worker_cmd
+from helpers import fake_env, fake_worker_cmd
 from orchestrator import api
 from orchestrator.core import cellcode
-from orchestrator.core.spec import SpecError, load
+from orchestrator.core.spec import SpecError
+from orchestrator.core.specload import load
 from orchestrator.supervise.admission import IncompatibleResume
 from orchestrator.supervise.supervisor import Supervisor
 
@@ -71,6 +72,7 @@ def frozen(tmp_path, ns=None, **keys):
     return load(spec.job_path, run_dir=spec.run_dir), cj
 
 
+@pytest.mark.integration
 def test_the_functions_round_trip_by_value_into_a_process_that_never_saw_the_cell(tmp_path):
     spec, cj = frozen(tmp_path)
     assert spec.model.target == "__cell__:build_model" and spec.data.target == "__cell__:load_data"
@@ -80,7 +82,7 @@ def test_the_functions_round_trip_by_value_into_a_process_that_never_saw_the_cel
     assert spec.code.sha256 == cj.code.sha256
     out = subprocess.run([sys.executable, "-c", (
         "import sys; from orchestrator.core import cellcode; "
-        "from orchestrator.core.spec import load; "
+        "from orchestrator.core.specload import load; "
         f"spec = load({spec.job_path!r}); f = cellcode.load(spec.job_path, spec.code); "
         "print(f['load_data'](3)['train'][0].tolist(), sorted(f['build_model']()))")],
         env=fake_env({}), capture_output=True, text=True, cwd=str(tmp_path))
@@ -113,6 +115,7 @@ def _fingerprint(tmp_path, src, filename, seed):
     return out.stdout.split()
 
 
+@pytest.mark.integration
 def test_the_same_cell_in_another_kernel_has_the_same_fingerprint_and_changed_code_another(
         tmp_path):
     """The pickle's bytes hold the cell's file name, its line numbers and random class ids;
@@ -136,6 +139,7 @@ def test_the_training_hash_covers_the_code_and_a_yaml_job_s_hash_is_unchanged(tm
     assert "code" not in load(fake_job()).training_relevant()
 
 
+@pytest.mark.integration
 def test_the_supervisor_freezes_the_code_only_once_the_run_is_admitted(tmp_path):
     """A refused resume (changed code) must leave the run's own code file as it was."""
     class FakeWorkerSupervisor(Supervisor):
@@ -260,6 +264,7 @@ def test_a_jax_array_held_by_the_kernel_is_refused_naming_the_key_and_the_refere
     assert "key 'data'" in msg and "load_data -> 'WEIGHTS' is a JAX ArrayImpl" in msg
 
 
+@pytest.mark.integration
 def test_the_kernel_s_jax_arrays_are_recognised_without_importing_jax(tmp_path):
     # The supervisor side never imports a framework: a jax.Array is known by its class's
     # module, here in a Python where jax cannot be imported at all.

@@ -79,6 +79,7 @@ def _tpu_vm(tmp_path, monkeypatch, chips=("vfio/0",), dists=None, libtpu=True):
     return env
 
 
+@pytest.mark.integration
 def test_a_v5e_tpu_vm_without_tensorflow_gets_the_install_line(tmp_path, monkeypatch):
     env = _tpu_vm(tmp_path, monkeypatch, libtpu=False)
     # a stale legacy address must not hide the chips of the VM itself
@@ -99,6 +100,7 @@ def test_a_v5e_tpu_vm_without_tensorflow_gets_the_install_line(tmp_path, monkeyp
     assert _levels(checks)["tensorflow-tpu"] == WARN
 
 
+@pytest.mark.integration
 def test_a_tpu_vm_with_tensorflow_tpu_and_libtpu(tmp_path, monkeypatch):
     env = _tpu_vm(tmp_path, monkeypatch, chips=("accel0", "accel1", "accel2", "accel3"),
                   dists={"tensorflow-tpu": "2.18.0", "libtpu": "2.18.0"})
@@ -116,6 +118,7 @@ def test_a_tpu_vm_with_tensorflow_tpu_and_libtpu(tmp_path, monkeypatch):
     assert doctor.find_libtpu({"TPU_LIBRARY_PATH": str(tmp_path / "gone.so")}) is None
 
 
+@pytest.mark.integration
 def test_a_colab_tpu_vm_on_jax_checks_libtpu_and_never_advises_tensorflow(tmp_path,
                                                                           monkeypatch):
     """Today's Colab TPU image (googlecolab/backend-info pip-freeze.tpu.txt): jax, jaxlib and
@@ -142,6 +145,7 @@ def test_a_colab_tpu_vm_on_jax_checks_libtpu_and_never_advises_tensorflow(tmp_pa
     assert doctor._probe_env({})["JAX_PLATFORMS"] == "cpu"
 
 
+@pytest.mark.integration
 def test_no_tpu_checks_off_a_tpu_vm(tmp_path, monkeypatch):
     monkeypatch.setattr(probes, "TPU_DEVICE_GLOBS", ())
     checks = doctor.check_runtime(str(tmp_path / "run"), env={"PATH": ""}, run_probe=False)
@@ -170,6 +174,7 @@ def _fake_nvidia_smi(tmp_path, code, text):
     return {"PATH": str(d)}
 
 
+@pytest.mark.integration
 def test_find_accelerator_gpu(tmp_path, monkeypatch):
     monkeypatch.setattr(probes, "TPU_DEVICE_GLOBS", ())  # whatever this machine has
     found = doctor.find_accelerator(_fake_nvidia_smi(tmp_path, 0, "0, Tesla T4, 3, 15360"))
@@ -199,6 +204,7 @@ def test_run_dir_checks(tmp_path):
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".orchestrator-doctor")]
 
 
+@pytest.mark.integration
 def test_memory_and_pip(tmp_path):
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal:       13290460 kB\nMemAvailable:     524288 kB\n")
@@ -212,6 +218,7 @@ def test_memory_and_pip(tmp_path):
     assert p.level == WARN and "reinstall action" in p.detail
 
 
+@pytest.mark.integration
 def test_cli_exit_status_and_json(tmp_path, write_job, capsys):
     assert cli.main(["doctor", "--no-probe", "--run-dir", str(tmp_path / "run")]) == 0
     out = capsys.readouterr().out
@@ -230,6 +237,7 @@ def test_cli_exit_status_and_json(tmp_path, write_job, capsys):
     assert "FAIL  job" in out and "bad.yaml: key '" in out
 
 
+@pytest.mark.integration
 def test_doctor_never_imports_tensorflow_in_its_own_process(tmp_path):
     # A fresh interpreter: other tests in this session may have imported Keras already.
     code = ("import sys; from orchestrator.ops import doctor\n"
@@ -266,6 +274,7 @@ def _digits_job(tmp_path, optimizer="adam"):
     return str(job)
 
 
+@pytest.mark.integration
 def test_a_job_code_probe_that_leaves_no_verdict_fails_the_check_with_its_last_line(tmp_path):
     broken = tmp_path / "python-that-dies"
     broken.write_text("#!/bin/sh\necho 'Fatal Python error: boom' >&2\nexit 3\n")
@@ -275,6 +284,7 @@ def test_a_job_code_probe_that_leaves_no_verdict_fails_the_check_with_its_last_l
     assert "exited 3 with no verdict: Fatal Python error: boom" in c.detail
 
 
+@pytest.mark.integration
 def test_the_job_code_is_not_checked_when_tensorflow_does_not_import(tmp_path):
     no_tf = tmp_path / "python-without-tensorflow"
     no_tf.write_text("#!/bin/sh\necho \"ModuleNotFoundError: No module named 'tensorflow'\" >&2"
@@ -286,6 +296,7 @@ def test_the_job_code_is_not_checked_when_tensorflow_does_not_import(tmp_path):
     assert "not checked" in checks[-1].detail
 
 
+@pytest.mark.integration
 def test_no_probe_skips_the_job_code_check(tmp_path):
     checks = doctor.run(_digits_job(tmp_path, "adamm"), run_probe=False)
     assert "job code" not in _levels(checks)

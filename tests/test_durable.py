@@ -12,15 +12,20 @@ import time
 
 import pytest
 
-from conftest import ROOT, fake_env, fake_worker_cmd
+from helpers import ROOT, fake_env, fake_worker_cmd
 from drivefaults import DriveFaults
 from orchestrator import cli
 from orchestrator.checkpoint import tiers
 from orchestrator.core.journal import Journal
-from orchestrator.core.spec import load
+from orchestrator.core.specload import load
 from orchestrator.ops.status import format_status, run_status
 from orchestrator.supervise.admission import IncompatibleResume
 from orchestrator.supervise.supervisor import Supervisor
+
+# integration: the real supervisor with the fake worker, a supervisor killed
+# mid-upload: real processes, real waiting
+pytestmark = pytest.mark.integration
+
 
 CKPT = "checkpoint: {keep: 2, keep_every_epochs: 3, upload_backoff: {initial: 0.02, max: 0.1}}"
 
@@ -102,9 +107,9 @@ def test_supervisor_killed_during_a_durable_upload_leaves_nothing_half_done(fake
     job = fake_job(epochs=3, extra="checkpoint: {upload_backoff: {initial: 0.02, max: 0.1}}")
     durable = tmp_path / "run" / "checkpoints"
     code = ("import sys; sys.path.insert(0, %r); sys.path.insert(0, %r)\n"
-            "from conftest import fake_worker_cmd\n"
+            "from helpers import fake_worker_cmd\n"
             "from drivefaults import DriveFaults\n"
-            "from orchestrator.core.spec import load\n"
+            "from orchestrator.core.specload import load\n"
             "from orchestrator.supervise.supervisor import Supervisor\n"
             "with DriveFaults(%r) as d:\n"
             "    d.delay = 0.3\n"

@@ -12,7 +12,7 @@ import pytest
 from watchdog.events import FileSystemEventHandler
 from watchdog.observers import Observer
 
-from conftest import BOTH_BACKENDS, ROOT, live
+from helpers import BOTH_BACKENDS, ROOT, live
 from orchestrator.core import heartbeat
 from orchestrator.core.journal import Journal
 from orchestrator.core.osutil import pid_alive
@@ -370,7 +370,7 @@ def test_export_formats_load_on_cpu_and_predict_as_the_run_s_model(digits_job, t
 
     from orchestrator.train import state
     from orchestrator.checkpoint import tiers
-    from orchestrator.core.spec import load
+    from orchestrator.core.specload import load
 
     # the run's model: rebuilt by the job's factory, restored from the newest valid checkpoint
     spec = load(digits_job, run_dir=str(run))

@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from conftest import BOTH_BACKENDS, ROOT
+from helpers import BOTH_BACKENDS, ROOT
 from orchestrator.core.journal import Journal
 from test_e2e import DIGITS_JOB, EVERY_STEPS, _completed, _start, write_job_files
 

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from conftest import BOTH_BACKENDS, ROOT
+from helpers import BOTH_BACKENDS, ROOT
 from orchestrator.core.journal import Journal
 
 pytestmark = pytest.mark.e2e

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 import noimport
-from conftest import ROOT
+from helpers import ROOT
 from orchestrator.core.journal import Journal
 
 pytestmark = pytest.mark.e2e

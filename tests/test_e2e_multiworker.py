@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, live, wait_until
+from helpers import ROOT, live, wait_until
 from orchestrator.core import heartbeat
 from orchestrator.core.journal import Journal
 from orchestrator.ops.status import format_status, run_status
@@ -50,7 +50,7 @@ def _run(job, run_dir, *args, env=None):
                             stderr=subprocess.STDOUT, text=True, env=env)
 
 
-_wait = wait_until  # (conftest)
+_wait = wait_until  # (helpers)
 
 
 @pytest.fixture(scope="module")

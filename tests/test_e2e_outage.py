@@ -9,11 +9,11 @@ import time
 
 import pytest
 
-from conftest import BOTH_BACKENDS, ROOT
+from helpers import BOTH_BACKENDS, ROOT
 from orchestrator.checkpoint.store import CheckpointStore
 from orchestrator.core.journal import Journal
 from orchestrator.core.rundir import RunDir
-from orchestrator.core.spec import load
+from orchestrator.core.specload import load
 
 pytestmark = pytest.mark.e2e
 

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from conftest import BOTH_BACKENDS, ROOT, live, wait_until
+from helpers import BOTH_BACKENDS, ROOT, live, wait_until
 from orchestrator.core import heartbeat
 from orchestrator.core.journal import Journal
 
@@ -63,7 +63,7 @@ def _start(job, run_dir):
                             stderr=subprocess.STDOUT, text=True)
 
 
-_wait = wait_until  # (conftest)
+_wait = wait_until  # (helpers)
 
 
 def _ev(events, name):

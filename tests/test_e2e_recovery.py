@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT
+from helpers import ROOT
 from orchestrator.core.journal import Journal
 
 pytestmark = pytest.mark.e2e

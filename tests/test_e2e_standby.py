@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from conftest import BOTH_BACKENDS, ROOT, live, wait_until
+from helpers import BOTH_BACKENDS, ROOT, live, wait_until
 from orchestrator.core import heartbeat
 from orchestrator.core.journal import Journal
 

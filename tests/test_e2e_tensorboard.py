@@ -10,7 +10,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import noimport
-from conftest import BOTH_BACKENDS, ROOT
+from helpers import BOTH_BACKENDS, ROOT
 from orchestrator.core.journal import Journal
 from orchestrator.train.tensorboard import HISTORY_FILE
 

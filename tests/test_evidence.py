@@ -9,9 +9,9 @@ import traceback
 import pytest
 import yaml
 
-from conftest import ROOT
+from helpers import ROOT
 from orchestrator.core.kinds import KINDS, Kind
-from orchestrator.core.spec import load
+from orchestrator.core.specload import load
 from orchestrator.recovery import evidence, failures
 from orchestrator.recovery.evidence import JobContext
 from orchestrator.recovery.failures import LAYERS, classify
@@ -272,6 +272,7 @@ def _diagnose_cli(args, stdin=None):
     return p.returncode, p.stdout, p.stderr
 
 
+@pytest.mark.integration
 def test_diagnose_names_the_deciding_layer_and_what_it_matched():
     t = next(t for t in TEXTS if t["id"] == "cpu_h5py_checkpoint_enospc")
     rc, out, err = _diagnose_cli(["-"], stdin=t["text"])

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT
+from helpers import ROOT
 from orchestrator.recovery import failures
 from orchestrator.recovery.failures import classify, match_text
 
@@ -139,6 +139,7 @@ def _diagnose(args, stdin=None):
     return p.returncode, p.stdout, p.stderr
 
 
+@pytest.mark.integration
 def test_diagnose_reads_stdin_and_files_and_names_the_action(tmp_path):
     rc, out, _ = _diagnose(["-"], stdin=WRAPPED[4][2])
     assert rc == 0
@@ -162,6 +163,7 @@ def test_diagnose_reads_stdin_and_files_and_names_the_action(tmp_path):
     assert json.loads(_diagnose(["-"], stdin="all good")[1])["kind"] == "unknown"
 
 
+@pytest.mark.integration
 def test_diagnose_knows_an_unknown_optimizer_is_the_jobs_without_the_job():
     """Keras's own sentence, and the worker's line for it, pasted without --job."""
     for text in ("ValueError: Could not interpret optimizer identifier: adamm",
@@ -175,6 +177,7 @@ def test_diagnose_knows_an_unknown_optimizer_is_the_jobs_without_the_job():
             "user_error", "give_up", "keras_unknown_identifier"), text
 
 
+@pytest.mark.integration
 def test_diagnose_of_a_missing_file_is_a_clear_error(tmp_path):
     rc, out, err = _diagnose([str(tmp_path / "nope.log")])
     assert rc == 2 and "nope.log: cannot read" in err and "Traceback" not in err

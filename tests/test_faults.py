@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT
+from helpers import ROOT
 from orchestrator.recovery import faults
 from orchestrator.checkpoint.store import CheckpointStore
 from orchestrator.core.journal import Journal
@@ -48,6 +48,7 @@ def test_bad_fault_specs_say_what_is_expected(text, expected):
     assert expected in str(e.value) and repr(text) in str(e.value)
 
 
+@pytest.mark.integration
 def test_cli_rejects_a_bad_fault_before_starting(tmp_path):
     p = subprocess.run([sys.executable, "-m", "orchestrator", "run", "nojob.yaml", "--fault",
                         "boom@step=1"], capture_output=True, text=True, cwd=ROOT)
@@ -112,6 +113,7 @@ def test_storage_down_fails_every_store_call_until_it_is_back(tmp_path):
     assert later.wrap_store(CheckpointStore(str(tmp_path / "ck"))).latest_valid().epoch == 1
 
 
+@pytest.mark.integration
 def test_kill_at_checkpoint_dies_after_the_payload_and_before_the_rename(tmp_path):
     code = ("import sys; sys.path.insert(0, %r)\n"
             "from orchestrator.recovery import faults\n"

@@ -8,7 +8,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from conftest import ROOT
+from helpers import ROOT
 from orchestrator.train.backends.jax_backend import array_batches
 from orchestrator.train.compile_cache import CompileCache
 

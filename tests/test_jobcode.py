@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from orchestrator.core.spec import load
+from orchestrator.core.specload import load
 
 pytestmark = pytest.mark.e2e
 jobcode = None

@@ -59,6 +59,7 @@ def test_lock_excludes_a_live_owner(tmp_path):
     b.release()
 
 
+@pytest.mark.integration
 def test_stale_lock_of_dead_owner_is_taken_over(tmp_path):
     p = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                        capture_output=True, text=True)

@@ -7,18 +7,22 @@ import time
 
 import pytest
 
-from conftest import ROOT, fake_env
+from helpers import ROOT, fake_env
 from orchestrator.core.journal import Journal
 from orchestrator.core.osutil import pid_alive
 
 jupyter_client = pytest.importorskip("jupyter_client", reason="needs the test extra")
+
+# integration: a real Jupyter kernel running the supervisor and the fake
+# worker: real processes, real waiting
+pytestmark = pytest.mark.integration
 
 SETUP = f"""
 import sys
 sys.path[:0] = [{os.path.join(ROOT, 'tests')!r}, {ROOT!r}]
 import orchestrator, orchestrator.api
 from orchestrator.supervise.supervisor import Supervisor
-from conftest import fake_worker_cmd
+from helpers import fake_worker_cmd
 
 class FakeWorkerSupervisor(Supervisor):  # the notebook API, with the fake worker
     def __init__(self, spec, **kw):
@@ -131,6 +135,7 @@ def test_cell_shows_progress_and_an_interrupt_stops_the_worker_then_rerun_resume
 
 CELL_JOB = """
 import numpy as np
+
 
 class Size:
     n = 8

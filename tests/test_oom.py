@@ -8,7 +8,7 @@ import uuid
 
 import pytest
 
-from conftest import ROOT, fake_env
+from helpers import ROOT, fake_env
 from orchestrator.core.journal import Journal
 from orchestrator.recovery import oom
 from orchestrator.recovery.failures import classify
@@ -110,6 +110,7 @@ def _memory_cgroup(limit=160 << 20):
     pytest.skip("no writable memory cgroup on this machine")
 
 
+@pytest.mark.integration
 def test_a_real_oom_kill_of_the_worker_is_classified_out_of_memory(fake_job, tmp_path):
     """The supervisor and the fake worker run in a 160 MiB memory cgroup made here (as root,
     cgroup v1 on this machine); attempt 1 allocates 400 MiB and the kernel kills it."""
@@ -118,8 +119,8 @@ def test_a_real_oom_kill_of_the_worker_is_classified_out_of_memory(fake_job, tmp
         job = fake_job(epochs=2, restarts="{max: 3, backoff: {initial: 0.01}}")
         code = ("import os, sys; sys.path.insert(0, %r); sys.path.insert(0, %r)\n"
                 "open(os.path.join(%r, 'cgroup.procs'), 'w').write(str(os.getpid()))\n"
-                "from conftest import fake_worker_cmd\n"
-                "from orchestrator.core.spec import load\n"
+                "from helpers import fake_worker_cmd\n"
+                "from orchestrator.core.specload import load\n"
                 "from orchestrator.supervise.supervisor import Supervisor\n"
                 "sys.exit(Supervisor(load(%r), worker_cmd=fake_worker_cmd).run())\n"
                 % (os.path.join(ROOT, "tests"), ROOT, cg, job))

@@ -4,6 +4,8 @@ import socket
 import stat
 import time
 
+import pytest
+
 from orchestrator.core import tpuvm
 from orchestrator.recovery import probes
 from test_tpuvm import held, lockf
@@ -25,6 +27,7 @@ def test_tpu_node_probe_is_tcp_reachability_of_the_grpc_address():
     assert (r.accelerator, r.state) == ("tpu_node", "unavailable") and str(port) in r.detail
 
 
+@pytest.mark.integration
 def test_tpu_vm_probe_sees_devices_and_who_holds_the_libtpu_lock(tmp_path):
     """libtpu's lock is a POSIX lock (lockf) on its lock file, seen in /proc/locks; a file that
     is only open, or left behind, is free. A process with a chip's device file open uses the
@@ -61,6 +64,7 @@ def _fake_nvidia_smi(tmp_path, script: str) -> dict:
     return {"PATH": f"{exe.parent}{os.pathsep}/usr/bin:/bin"}
 
 
+@pytest.mark.integration
 def test_gpu_probe_runs_nvidia_smi(tmp_path):
     env = _fake_nvidia_smi(tmp_path, 'echo "0, NVIDIA A100-SXM4-40GB, 3, 40960"\n')
     r = probes.for_strategy("auto", env)()

@@ -4,7 +4,9 @@ import io
 import json
 import re
 
-from conftest import supervise
+import pytest
+
+from helpers import supervise
 from orchestrator.core.events import Event
 from orchestrator.core.journal import Journal
 from orchestrator.supervise import console
@@ -21,6 +23,7 @@ class FakeTerminal(io.StringIO):
         return True
 
 
+@pytest.mark.integration
 def test_plain_output_has_one_line_per_epoch_and_a_fault_line(fake_job, tmp_path):
     rc, out, _ = supervise(fake_job(epochs=5), KILL_THEN_FINISH)
     assert rc == 0
@@ -40,6 +43,7 @@ def test_plain_output_has_one_line_per_epoch_and_a_fault_line(fake_job, tmp_path
     assert "oneDNN" in (tmp_path / "run" / "attempts" / "1.log").read_text()
 
 
+@pytest.mark.integration
 def test_a_terminal_gets_a_bar_within_the_epoch_and_red_faults(fake_job):
     term = FakeTerminal()
     plan = {"exit_at_epoch": {"1": [2, -9]}, "batches": 8, "epoch_s": 1.6}

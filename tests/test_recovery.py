@@ -169,7 +169,7 @@ def test_strategy_fallback_order():
 
 
 def test_recovery_section_of_the_job_file(write_job):
-    from orchestrator.core.spec import load
+    from orchestrator.core.specload import load
 
     base = "name: j\nmodel: m:f\ndata: m:g\nepochs: 1\nbatch_size: 4\n"
     spec = load(write_job(base + """
@@ -209,7 +209,7 @@ recovery:
     ("hang_timeout: 0\n", 6, "hang_timeout", "expected a number >= 0.1"),
 ])
 def test_bad_recovery_settings_name_file_line_and_key(write_job, text, line, key, expected):
-    from orchestrator.core.spec import load
+    from orchestrator.core.specload import load
 
     path = write_job("name: j\nmodel: m:f\ndata: m:g\nepochs: 1\nbatch_size: 4\n" + text)
     with pytest.raises(SpecError) as e:

@@ -12,12 +12,17 @@ import zipfile
 
 import pytest
 
-from conftest import fake_env, fake_worker_cmd
+from helpers import fake_env, fake_worker_cmd
 from orchestrator.core import backends
 from orchestrator.core.journal import Journal
 from orchestrator.recovery.reinstall import installed, reinstall, reinstall_plan
-from orchestrator.core.spec import RecoverySpec, load
+from orchestrator.core.spec import RecoverySpec
+from orchestrator.core.specload import load
 from orchestrator.supervise.supervisor import Supervisor
+
+# integration: real pip installs into a target folder: real processes, real waiting
+pytestmark = pytest.mark.integration
+
 
 DIST, MODULE, VERSION = "orchestrator-fakeflow", "fakeflow", "1.0"
 # What a Colab TPU VM has (googlecolab/backend-info pip-freeze.tpu.txt), plus a TensorFlow a

@@ -28,6 +28,7 @@ def _check_self_contained(page: str):
     assert not re.search(r"(href|src)=\"(https?:|file:|/)", page)
 
 
+@pytest.mark.integration
 def test_report_of_a_finished_run(finished_run, tmp_path, capsys):
     out = str(tmp_path / "out")
     assert cli.main(["report", finished_run, "-o", out]) == 0
@@ -59,6 +60,7 @@ def test_report_of_a_finished_run(finished_run, tmp_path, capsys):
             in page)  # preemptions apart from the job's own failures
 
 
+@pytest.mark.integration
 def test_report_of_a_failed_run(failed_run):
     assert cli.main(["report", failed_run]) == 0
     page = open(os.path.join(failed_run, "report", "report.html"), encoding="utf-8").read()
@@ -94,6 +96,7 @@ def _count(img, hex_colour: str, tol: int = 12) -> int:
                if all(abs(a - b) <= tol for a, b in zip(px, want)))
 
 
+@pytest.mark.integration
 def test_report_renders_in_a_real_browser(finished_run, tmp_path):
     out = str(tmp_path / "out")
     assert cli.main(["report", finished_run, "-o", out]) == 0
@@ -129,6 +132,7 @@ def test_report_of_a_journal_with_later_fields(tmp_path):
     assert "last checkpoint (durable)</td><td>epoch 3, step 30" in page
 
 
+@pytest.mark.integration
 def test_the_report_needs_no_plotting_library(finished_run, tmp_path):
     """A plain install: matplotlib (or any plotting library) cannot be imported."""
     code = ("import sys; sys.modules['matplotlib'] = None; sys.modules['PIL'] = None\n"

@@ -13,12 +13,19 @@ import random
 import signal
 import time
 
-from conftest import supervisor_process
+import pytest
+
+from helpers import supervisor_process
 from orchestrator.checkpoint.store import CheckpointStore
 from orchestrator.core.journal import Journal
 from orchestrator.core.rundir import EXIT_LOCK_LOST, RunDir
-from orchestrator.core.spec import load
+from orchestrator.core.specload import load
 from orchestrator.ops.status import format_status, run_status
+
+# integration: the real supervisor in its own process, outages of seconds: real processes,
+# real waiting
+pytestmark = pytest.mark.integration
+
 
 
 def _control(job) -> RunDir:

@@ -4,7 +4,8 @@ import pytest
 
 from orchestrator.core import spec as spec_mod
 from orchestrator.cli import main as cli_main
-from orchestrator.core.spec import SpecError, load
+from orchestrator.core.spec import SpecError
+from orchestrator.core.specload import load
 
 VALID = """
 name: demo

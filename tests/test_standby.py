@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from conftest import supervise
+from helpers import supervise
 from orchestrator.core.journal import Journal
 from orchestrator.core.osutil import pid_alive
 from orchestrator.supervise.standby import IMPORT_ONLY, WARM, Standby, mode_for
@@ -31,6 +31,7 @@ def _all_gone(events):
         assert not pid_alive(e["pid"]), e
 
 
+@pytest.mark.integration
 def test_a_killed_worker_is_replaced_by_the_warm_standby_and_a_new_one_starts(fake_job, tmp_path):
     plan = dict(SLOW, exit_at_epoch={"1": [3, -9]})
     rc, out, events = supervise(fake_job(epochs=4, extra="standby: on"), plan, standby=True)
@@ -52,12 +53,14 @@ def test_a_killed_worker_is_replaced_by_the_warm_standby_and_a_new_one_starts(fa
     _all_gone(events)
 
 
+@pytest.mark.integration
 def test_a_standby_starts_only_once_the_worker_trains(fake_job):
     _, _, events = supervise(fake_job(epochs=2, extra="standby: on"), SLOW, standby=True)
     names = [(e["event"], e.get("attempt", e.get("for_attempt"))) for e in events]
     assert names.index(("standby_started", 2)) > names.index(("first_step", 1))
 
 
+@pytest.mark.integration
 def test_an_action_that_needs_a_fresh_process_discards_the_standby(fake_job):
     job = fake_job(epochs=4, extra="recovery: {ladders: {unknown: [reinit_accelerator, restart]}}"
                                   "\n            standby: on")
@@ -77,6 +80,7 @@ def test_an_action_that_needs_a_fresh_process_discards_the_standby(fake_job):
     _all_gone(events)
 
 
+@pytest.mark.integration
 def test_a_standby_that_fails_to_warm_up_is_replaced_once_then_the_recovery_is_cold(fake_job):
     plan = dict(SLOW, exit_at_epoch={"1": [4, -9]}, standby_exit={"2": 1})
     rc, out, events = supervise(fake_job(epochs=5, extra="standby: on"), plan, standby=True)
@@ -92,6 +96,7 @@ def test_a_standby_that_fails_to_warm_up_is_replaced_once_then_the_recovery_is_c
     _all_gone(events)
 
 
+@pytest.mark.integration
 def test_a_standby_still_warming_up_is_not_promoted_the_recovery_is_cold(fake_job):
     plan = dict(SLOW, exit_at_epoch={"1": [3, -9]}, standby_warm_s=30)
     rc, out, events = supervise(fake_job(epochs=4, extra="standby: on"), plan, standby=True)
@@ -103,6 +108,7 @@ def test_a_standby_still_warming_up_is_not_promoted_the_recovery_is_cold(fake_jo
     _all_gone(events)
 
 
+@pytest.mark.integration
 def test_standby_off_starts_none(fake_job):
     rc, _, events = supervise(fake_job(epochs=3, extra="standby: off"),
                               dict(SLOW, exit_at_epoch={"1": [2, -9]}), standby=True)
@@ -128,6 +134,7 @@ def test_the_mode_per_setting_strategy_and_backend(setting, strategy, accelerato
     assert mode_for(setting, strategy, accelerator, backend)[0] == mode
 
 
+@pytest.mark.integration
 def test_a_standby_is_unfit_when_the_next_attempt_s_settings_changed(tmp_path):
     import queue
 
@@ -168,11 +175,12 @@ print(standby.restore_priority(before), nices(), score())
 """
 
 
+@pytest.mark.integration
 @pytest.mark.skipif(os.geteuid() != 0, reason="restoring a priority needs root (as on Colab)")
 def test_the_standby_lowers_every_thread_and_puts_them_back_when_promoted():
     import subprocess
 
-    from conftest import ROOT
+    from helpers import ROOT
 
     out = subprocess.run([sys.executable, "-c", PRIORITY_CHILD], capture_output=True,
                          text=True, cwd=ROOT, timeout=60, env=dict(os.environ, PYTHONPATH=ROOT))

@@ -1,7 +1,7 @@
 """standby: auto decides per attempt whether a standby is worth it, from the run's journal."""
 import pytest
 
-from conftest import supervise
+from helpers import supervise
 from orchestrator.recovery.policy import is_preemption
 from orchestrator.supervise import standby_policy
 from orchestrator.supervise.standby_policy import Evidence, worth_it
@@ -49,6 +49,7 @@ def test_the_evidence_is_the_run_s_own_journal():
 SLOW = {"batches": 3, "epoch_s": 0.6}
 
 
+@pytest.mark.integration
 def test_auto_on_two_cores_starts_the_first_standby_after_the_first_kill(fake_job, monkeypatch):
     monkeypatch.setattr(standby_policy, "cores", lambda: 2)
     plan = dict(SLOW, exit_at_epoch={"1": [2, -9], "2": [4, -9]})

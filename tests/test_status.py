@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from conftest import supervisor_process
+from helpers import supervisor_process
 
 from orchestrator import cli
 from orchestrator.ops import timeline
@@ -15,6 +15,7 @@ from orchestrator.core.journal import Journal
 from orchestrator.ops.status import format_status, run_status
 
 
+@pytest.mark.integration
 def test_status_of_a_finished_run(finished_run, capsys):
     s = run_status(finished_run)
     assert s["state"] == "completed"
@@ -41,6 +42,7 @@ def test_status_of_a_finished_run(finished_run, capsys):
     assert j["state"] == "completed" and j["restarts_by_kind"] == {"killed": 1}
 
 
+@pytest.mark.integration
 def test_status_says_the_backend_the_run_trains_on_and_a_run_from_before_is_tensorflow(
         finished_run, capsys):
     import json
@@ -58,6 +60,7 @@ def test_status_says_the_backend_the_run_trains_on_and_a_run_from_before_is_tens
     assert run_status(finished_run)["backend"]["name"] == "tensorflow"
 
 
+@pytest.mark.integration
 def test_status_of_a_failed_run(failed_run, capsys):
     s = run_status(failed_run)
     assert s["state"] == "failed"
@@ -73,6 +76,7 @@ def test_status_of_a_failed_run(failed_run, capsys):
     assert "failed: restart budget of 2 spent" in text
 
 
+@pytest.mark.integration
 def test_status_shows_the_preemption_budget_apart_from_the_error_budget(finished_run, capsys):
     assert run_status(finished_run)["budgets"] == {"errors": 0, "errors_max": 2,
                                                    "preemptions": 1, "preemptions_max": None}
@@ -81,6 +85,7 @@ def test_status_shows_the_preemption_budget_apart_from_the_error_budget(finished
             in capsys.readouterr().out)
 
 
+@pytest.mark.integration
 def test_status_of_a_failed_run_shows_the_spent_error_budget(failed_run):
     assert run_status(failed_run)["budgets"] == {"errors": 3, "errors_max": 2,
                                                  "preemptions": 0, "preemptions_max": None}
@@ -209,6 +214,7 @@ def test_a_lock_left_by_a_recycled_vm_does_not_read_as_running(tmp_path):
         assert run_status(path)["state"] == state
 
 
+@pytest.mark.integration
 def test_status_of_a_running_run_shows_where_the_worker_is(fake_job, tmp_path, capsys):
     job = fake_job(epochs=3)
     p = supervisor_process(job, {"epoch_s": 5, "batches": 600})

@@ -5,10 +5,16 @@ import subprocess
 import sys
 import time
 
-from conftest import ROOT, live, supervise, supervisor_process
+import pytest
+
+from helpers import ROOT, live, supervise, supervisor_process
 from orchestrator.core import heartbeat
 from orchestrator.core.journal import Journal
 from orchestrator.core.osutil import pid_alive
+
+# integration: the real supervisor with the fake worker: real processes, real waiting
+pytestmark = pytest.mark.integration
+
 
 
 def _run(job, plan):

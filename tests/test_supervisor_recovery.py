@@ -7,12 +7,18 @@ import shutil
 import stat
 import traceback
 
-from conftest import fake_env, fake_worker_cmd
+import pytest
+
+from helpers import fake_env, fake_worker_cmd
 from orchestrator.checkpoint import tiers
 from orchestrator.core.journal import Journal
 from orchestrator.core.osutil import pid_alive
-from orchestrator.core.spec import load
+from orchestrator.core.specload import load
 from orchestrator.supervise.supervisor import Supervisor
+
+# integration: the real supervisor with the fake worker: real processes, real waiting
+pytestmark = pytest.mark.integration
+
 
 FAST = "{max: 6, backoff: {initial: 0.01, max: 0.05}}"
 

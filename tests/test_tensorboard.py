@@ -11,7 +11,8 @@ from tensorboard.compat.proto import event_pb2, summary_pb2
 from tensorboard.summary.writer.record_writer import RecordWriter
 
 import noimport
-from orchestrator.core.spec import SpecError, TensorBoardSpec, load
+from orchestrator.core.spec import SpecError, TensorBoardSpec
+from orchestrator.core.specload import load
 from orchestrator.train import tensorboard as tb
 from orchestrator.train.jobcode import JobError
 
@@ -249,6 +250,7 @@ def test_the_resumed_attempt_s_start_marker_purges_what_a_watching_tensorboard_h
     _assert_each_step_once(log_dir, watching)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("tensorflow", ["not importable", "installed"])
 def test_a_jax_worker_writes_and_repairs_the_logs_without_tensorflow(tmp_path, tensorflow):
     # A TPU VM has no TensorFlow; a GPU runtime has it, and a JAX worker must not import it.

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import ROOT
+from helpers import ROOT
 from orchestrator.core import tpuvm
 from orchestrator.core.kinds import Action
 from orchestrator.core.rundir import ENV_REINIT
@@ -26,7 +26,7 @@ from orchestrator.recovery.policy import Decision
 _STANDBY = r"""
 import json, sys, time
 from orchestrator.core.rundir import RunDir
-from orchestrator.core.spec import load
+from orchestrator.core.specload import load
 from orchestrator.train import standby
 from orchestrator.train.preemption import PreemptionNotice
 
@@ -49,6 +49,7 @@ sys.exit(standby.serve(spec, RunDir.for_spec(spec).make(), 2, "import_only",
 """
 
 
+@pytest.mark.integration
 def test_an_import_only_standby_on_jax_initialises_no_jax_backend(tmp_path):
     """libtpu is loaded, and its lock taken, when JAX initialises its backends: at the first
     device query, not at ``import jax``. The standby's whole warm-up up to its wait must leave
@@ -158,6 +159,7 @@ def tpu_vm(tmp_path):
                            lock=tmp_path / "libtpu_lockfile")
 
 
+@pytest.mark.integration
 def test_a_stale_lock_file_is_removed_only_when_no_process_holds_it(tpu_vm):
     clear = lambda: tpuvm.clear_stale_locks(tpu_vm.globs, [str(tpu_vm.lock)])  # noqa: E731
     assert clear() == ("no libtpu lock file", [])

@@ -18,12 +18,12 @@ import importlib
 import shutil
 import sys
 import threading
-import time
 from typing import Callable
 
 from tenacity import Retrying, retry_if_exception_type, wait_exponential
 
 from orchestrator.checkpoint.store import Checkpoint, Retention
+from orchestrator.core.clock import SYSTEM, Clock
 from orchestrator.core.journal import Journal
 from orchestrator.checkpoint.tiers import TieredStore, is_durable, mark_durable, unmark_durable
 from orchestrator.core.events import Event
@@ -45,10 +45,11 @@ class DurableMirror:
                  backoff_initial: float = 1.0, backoff_max: float = 60.0,
                  remount: Callable[[str], object] | None = None,
                  remount_every_s: float = REMOUNT_EVERY_S, say: Callable[[str], None] | None = None,
-                 hold: Callable[[], bool] = lambda: True):
+                 hold: Callable[[], bool] = lambda: True, clock: Clock = SYSTEM):
         """``hold()`` is asked before each pass: False means the run directory is not ours to
-        write now (the lock's lease, core/lock.py); the pass waits for the next one."""
-        self.hold = hold
+        write now (the lock's lease, core/lock.py); the pass waits for the next one. ``clock``
+        times the outage and the remounts and runs the backoff's waits."""
+        self.hold, self.clock = hold, clock
         self.store, self.journal, self.retention = store, journal, retention
         self.backoff_initial, self.backoff_max = backoff_initial, backoff_max
         self.remount, self.remount_every_s = remount, remount_every_s
@@ -203,11 +204,11 @@ class DurableMirror:
 
     def _sleep(self, seconds: float) -> None:
         """Back off, but come back early when told to stop."""
-        if self._stop.wait(seconds):
+        if self.clock.wait(self._stop, seconds):
             raise _Stopped()
 
     def _upload(self, c: Checkpoint) -> None:
-        t0 = time.time()
+        t0 = self.clock.time()
         reason = self.store.local.verify(c.path)
         if reason is not None:
             raise _SourceGone(f"local copy {c.path} does not verify: {reason}")
@@ -222,15 +223,15 @@ class DurableMirror:
             raise OSError(errno.EIO, f"the durable copy does not verify after the copy: {reason}",
                           d.path)
         self._durable_ok[c.step] = d
-        mark_durable(c, d.path, verified_at=round(time.time(), 3))
+        mark_durable(c, d.path, verified_at=round(self.clock.time(), 3))
         self.journal.append(Event.CHECKPOINT_DURABLE, step=c.step, epoch=c.epoch, path=d.path,
-                            upload_s=round(time.time() - t0, 3))
+                            upload_s=round(self.clock.time() - t0, 3))
         self._reachable()
 
     def _reachable(self) -> None:
         """A durable operation succeeded: if the tier was down, say it is back."""
         if self._down_since is not None:
-            down = time.time() - self._down_since
+            down = self.clock.time() - self._down_since
             self._down_since = None
             self._journaled_backlog = None
             left = [x.step for x in self.backlog()]
@@ -241,7 +242,7 @@ class DurableMirror:
     def _failed(self, c: Checkpoint | None, exc: BaseException, delay: float) -> None:
         err = {"errno": getattr(exc, "errno", None), "error": str(exc)}
         if self._down_since is None:
-            self._down_since = time.time()
+            self._down_since = self.clock.time()
             self.journal.append(Event.DURABLE_UNREACHABLE, step=c.step if c else None,
                                 root=self.store.durable.root, **err)
             self.say(f"durable tier {self.store.durable.root} unreachable ({exc}); training "
@@ -252,8 +253,8 @@ class DurableMirror:
             self.journal.append(Event.DURABLE_BACKLOG, steps=list(backlog), retry_in_s=round(delay, 3),
                                 **err)
         if (self.remount is not None and getattr(exc, "errno", None) == errno.ENOTCONN
-                and time.time() - self._last_remount >= self.remount_every_s):
-            self._last_remount = time.time()
+                and self.clock.time() - self._last_remount >= self.remount_every_s):
+            self._last_remount = self.clock.time()
             self._call_remount()
 
     def _call_remount(self) -> None:

@@ -25,6 +25,8 @@ from typing import Callable
 
 from orchestrator.core.osutil import (fsync_dir, pid_alive, read_json, sha256_file, write_atomic,
                      write_json_atomic)
+# defined below the store (the spec builds it), imported from here by its users too
+from orchestrator.core.retention import Retention
 
 MANIFEST = "manifest.json"
 STATE_FILE = "state.npz"
@@ -47,37 +49,6 @@ class Checkpoint:
         """The run is complete at this checkpoint: the last epoch is done, or the job's
         callbacks ended training (EarlyStopping)."""
         return self.epoch >= epochs or bool(self.manifest.get("stopped_early"))
-
-
-@dataclass(frozen=True)
-class Retention:
-    """Which checkpoints to keep: the last ``keep``, every ``every_epochs``-th epoch-end one,
-    and the best by ``best_metric`` (``best_mode`` min or max). Only verified ones count, so a
-    corrupt checkpoint never pushes a good one out."""
-
-    keep: int = 3
-    every_epochs: int | None = None
-    best_metric: str | None = None
-    best_mode: str = "min"
-
-    def select(self, verified: list[Checkpoint]) -> set[int]:
-        """The steps to keep among ``verified`` checkpoints (any order)."""
-        ordered = sorted(verified, key=lambda c: c.step)
-        keep = {c.step for c in ordered[-self.keep:]} if self.keep > 0 else set()
-        if self.every_epochs:
-            for c in ordered:
-                if c.manifest.get("batch", 0) == 0 and c.epoch and c.epoch % self.every_epochs == 0:
-                    keep.add(c.step)
-        if self.best_metric:
-            scored = [c for c in ordered
-                      if isinstance((c.manifest.get("metrics") or {}).get(self.best_metric),
-                                    (int, float))]
-            if scored:
-                sign = -1.0 if self.best_mode == "max" else 1.0
-                best = min(scored, key=lambda c: (sign * c.manifest["metrics"][self.best_metric],
-                                                  -c.step))
-                keep.add(best.step)
-        return keep
 
 
 def as_retention(keep) -> Retention | None:

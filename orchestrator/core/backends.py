@@ -18,12 +18,15 @@ import importlib.util
 import json
 import os
 
+from orchestrator.core import rundir
+
 AUTO = "auto"
 TENSORFLOW = "tensorflow"
 JAX = "jax"
 BACKENDS = (AUTO, TENSORFLOW, JAX)
-# What the supervisor tells the worker: the backend the run trains on (never "auto").
-ENV_BACKEND = "ORCHESTRATOR_BACKEND"
+# What the supervisor tells the worker: the backend the run trains on (never "auto"); named
+# with the other variables in core/rundir.py.
+ENV_BACKEND = rundir.ENV_BACKEND
 # Keras reads its backend from here at its first import (keras/src/backend/config.py).
 KERAS_BACKEND_ENV = "KERAS_BACKEND"
 

@@ -21,6 +21,23 @@ FILE = "heartbeat.json"
 STACK_DUMP_SIGNAL = signal.SIGUSR1
 
 
+class Phase:
+    """What the worker is doing, in each beat's ``phase``: written by the worker
+    (train/worker.py, train/callbacks.py), read by the supervisor's hang clock
+    (supervise/hangs.py) to pick the start-up or the hang timeout and to know when a standby
+    may start, and shown by ``orchestrator status``. Plain strings in ``heartbeat.json``."""
+
+    STARTING = "starting"        # imports, build, restore: the start-up timeout applies
+    TRAIN_BEGIN = "train_begin"  # the first step, traced: past start-up
+    TRAINING = "training"
+    VALIDATION = "validation"
+    EPOCH_END = "epoch_end"
+    EXPORTING = "exporting"      # the run's model written for inference, after the last epoch
+
+    #: a training step is done: a warm standby may start beside the worker
+    STEPPED = (TRAINING, VALIDATION, EPOCH_END)
+
+
 def register_stack_dump(stream=None) -> None:
     """Worker side: dump every thread's stack to ``stream`` (the attempt log) on the signal."""
     faulthandler.register(STACK_DUMP_SIGNAL, file=stream or sys.stderr, all_threads=True)

@@ -22,6 +22,7 @@ import sys
 import time
 import uuid
 
+from orchestrator.core.clock import SYSTEM, Clock
 from orchestrator.core.osutil import pid_alive, read_json, write_json_atomic
 
 FILE = "lock"
@@ -43,20 +44,20 @@ class LockLost(Exception):
 class Lease:
     """How long an unrefreshed lock may still be trusted (see the module's takeover rule)."""
 
-    def __init__(self, stale_after: float):
-        self.stale_after = stale_after
+    def __init__(self, stale_after: float, clock: Clock = SYSTEM):
+        self.stale_after, self.clock = stale_after, clock
         self.refresh_s = min(5.0, stale_after / 8)
         self.lease_s = 0.75 * stale_after  # leaves a quarter for a paused worker to stop
-        self.refreshed = time.monotonic()
+        self.refreshed = clock.monotonic()
 
     def renewed(self) -> None:
-        self.refreshed = time.monotonic()
+        self.refreshed = self.clock.monotonic()
 
     def due(self) -> bool:
-        return time.monotonic() - self.refreshed >= self.refresh_s
+        return self.clock.monotonic() - self.refreshed >= self.refresh_s
 
     def expired(self) -> bool:
-        return time.monotonic() - self.refreshed >= self.lease_s
+        return self.clock.monotonic() - self.refreshed >= self.lease_s
 
 
 class RunLock:

@@ -37,6 +37,15 @@ ENV_REINIT = "ORCHESTRATOR_REINIT_ACCELERATOR"
 # Several workers: every rank restores exactly this step (none: start afresh), so that no rank
 # resumes from a checkpoint another rank cannot see (supervise/group.py).
 ENV_RESTORE_STEP = "ORCHESTRATOR_RESTORE_STEP"
+# The backend the run trains on, never "auto" (core/backends.py resolves it).
+ENV_BACKEND = "ORCHESTRATOR_BACKEND"
+# The faults injected into the run (`--fault`, JSON; recovery/faults.py fires them).
+ENV_FAULTS = "ORCHESTRATOR_FAULTS"
+# Every variable above starts so: what a recovery action changed for the next worker is the
+# environment's variables with this prefix (a standby started before it is discarded).
+ENV_PREFIX = "ORCHESTRATOR_"
+# Read by the supervisor only: how long Ray may take to place a group's workers (seconds).
+ENV_RAY_PLACEMENT_TIMEOUT = "ORCHESTRATOR_RAY_PLACEMENT_TIMEOUT"
 
 
 # The control state's names, relative to ``RunDir.control`` and, mirrored, to ``RunDir.root``.

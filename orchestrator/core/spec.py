@@ -1,8 +1,9 @@
 """Job spec: the validated dataclasses a job file becomes, with each field's default.
 
-``load`` (in specload.py, re-exported here) reads the YAML; every error names the file, the
-line, the key and what was expected, because the person reading it is usually looking at a
-notebook cell hours after they wrote the YAML.
+``specload.load`` reads the YAML into them; every error names the file, the line, the key and
+what was expected, because the person reading it is usually looking at a notebook cell hours
+after they wrote the YAML. The loader imports this module, never the other way round: the
+classes and their defaults are what both the loader and every reader of a spec need.
 """
 from __future__ import annotations
 
@@ -13,11 +14,14 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from orchestrator.core.retention import Retention
+from orchestrator.core.standbymode import StandbyMode
+
 
 STRATEGIES = ("auto", "tpu", "gpu", "cpu")
-SCHEDULES = ("step_decay", "cosine", "piecewise")
+SCHEDULES = ("step_decay", "cosine", "piecewise")  # SCHEDULE_PARAMS's keys, in this order
 BUILTIN_CALLBACKS = ("early_stopping", "reduce_lr_on_plateau", "terminate_on_nan")
-STANDBY_MODES = ("auto", "on", "off", "import_only")
+STANDBY_MODES = StandbyMode.SETTINGS
 ENGINES = ("local", "ray")  # who places the workers of a multi-worker job
 _FACTORY_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 # The module name of the functions ``orchestrator.run(model=fn, data=fn, ...)`` carries by value
@@ -86,9 +90,7 @@ class CheckpointSpec:
     background: bool = True
 
     @property
-    def retention(self):
-        from orchestrator.checkpoint.store import Retention
-
+    def retention(self) -> Retention:
         return Retention(self.keep, self.keep_every_epochs, self.keep_best, self.keep_best_mode)
 
 
@@ -100,6 +102,33 @@ class LearningRateSpec:
     schedule: str | None = None
     params: dict = field(default_factory=dict)
     function: Factory | None = None
+
+
+# The parameters of each built-in ``learning_rate`` schedule, with their defaults: the loader's
+# keys and defaults (specload.py), the keyword arguments of train/schedules.py's functions.
+@dataclass(frozen=True)
+class StepDecayParams:
+    initial: float | None = None  # None: the optimizer's own rate
+    factor: float = 0.1
+    every: int = 1
+
+
+@dataclass(frozen=True)
+class CosineParams:
+    initial: float | None = None
+    minimum: float = 0.0
+    decay_epochs: int | None = None  # None: the epochs after the warm-up
+    warmup_epochs: int = 0
+
+
+@dataclass(frozen=True)
+class PiecewiseParams:
+    boundaries: tuple = ()
+    values: tuple = ()
+
+
+SCHEDULE_PARAMS = {"step_decay": StepDecayParams, "cosine": CosineParams,
+                   "piecewise": PiecewiseParams}
 
 
 @dataclass(frozen=True)
@@ -207,7 +236,7 @@ class JobSpec:
     startup_timeout: float = 1800.0  # ... before the first training heartbeat of an attempt
     stop_grace: float = 10.0         # SIGTERM -> SIGKILL of a worker's process group
     preempt_grace: float = 20.0      # SIGTERM -> emergency checkpoint and exit (spot VMs: ~30 s)
-    standby: str = "auto"            # a warm standby worker: auto | on | off | import_only
+    standby: str = StandbyMode.AUTO  # a warm standby worker: auto | on | off | import_only
     probe_interval: float = 60.0     # accelerator probe period while an attempt runs
     lock_stale_after: float = 120.0  # a lock silent this long may be taken over (another VM)
     workers: int = 1                 # worker processes training together (MultiWorkerMirrored)
@@ -245,7 +274,3 @@ class JobSpec:
         blob = json.dumps(self.training_relevant(), sort_keys=True, default=str).encode()
         return hashlib.sha256(blob).hexdigest()
 
-
-# The loader reads these dataclasses; it lives in its own module (YAML with line numbers, every
-# error at once). Imported last: it imports the classes above.
-from orchestrator.core.specload import load  # noqa: E402,F401

@@ -17,11 +17,13 @@ import yaml
 
 from orchestrator.core.backends import BACKENDS, resolve as resolve_backend
 from orchestrator.core.kinds import ACTIONS, KINDS
+from orchestrator.core.standbymode import StandbyMode
 from orchestrator.core.spec import (_FACTORY_RE, BUILTIN_CALLBACKS, CELL_MODULE, ENGINES,
                                     SCHEDULES, STANDBY_MODES, STRATEGIES, CallbackSpec,
                                     CheckpointSpec, CodeSpec, CompileSpec, CrashLoopSpec, Factory,
                                     JobSpec, LearningRateSpec, RecoverySpec, RestartSpec, Rung,
-                                    SpecError, TensorBoardSpec)
+                                    SCHEDULE_PARAMS, CosineParams, SpecError, StepDecayParams,
+                                    TensorBoardSpec)
 
 # --------------------------------------------------------------------------------------------
 # YAML with line numbers
@@ -160,22 +162,33 @@ class _Reader:
 
 # Each default is declared once, on its dataclass field; the loader reads it from there.
 _RS, _CK, _RC, _CL = RestartSpec(), CheckpointSpec(), RecoverySpec(), CrashLoopSpec()
-_TB = TensorBoardSpec()
+_TB, _CM = TensorBoardSpec(), CompileSpec()
+_SD, _CO = StepDecayParams(), CosineParams()
 _JOB = {f.name: f.default for f in dataclasses.fields(JobSpec)
         if f.default is not dataclasses.MISSING}
 
-TOP_KEYS = {
-    "name", "model", "data", "compile", "epochs", "batch_size", "strategy", "run_dir", "seed",
-    "checkpoint", "restarts", "heartbeat_interval", "deterministic", "learning_rate", "callbacks",
-    "hang_timeout", "startup_timeout", "stop_grace", "probe_interval", "recovery",
-    "preempt_grace", "standby", "lock_stale_after", "workers", "engine", "address",
-    "worker_resources", "tensorboard", "code", "backend",
-}
-RECOVERY_KEYS = {
-    "ladders", "reinstall_tensorflow", "reinstall_max", "pip", "pip_args",
-    "tensorflow_distributions", "verify_import", "halve_batch", "min_batch_size",
-    "strategy_fallback", "wait", "crash_loop",
-}
+
+def _keys(cls, nested=(), internal=()) -> set:
+    """A section's keys, from its dataclass's fields: a field ``<n>`` or ``<n>_<key>`` with
+    ``n`` in ``nested`` is read from the section's mapping ``<n>: {...}`` (``backoff_max`` from
+    ``backoff: {max: ...}``); ``internal`` fields are filled by ``load``, never written."""
+    keys = set()
+    for f in dataclasses.fields(cls):
+        if f.name not in internal:
+            keys.add(next((n for n in nested if f.name == n or f.name.startswith(n + "_")),
+                          f.name))
+    return keys
+
+
+def _subkeys(cls, nested: str) -> set:
+    """The keys of a nested mapping: ``backoff: {initial, max, ...}`` from ``backoff_*``."""
+    return {f.name[len(nested) + 1:] for f in dataclasses.fields(cls)
+            if f.name.startswith(nested + "_")}
+
+
+# job_path and job_dir say where the job file is, not what it says: load fills them.
+TOP_KEYS = _keys(JobSpec, internal=("job_path", "job_dir"))
+RECOVERY_KEYS = _keys(RecoverySpec, nested=("wait",))
 
 
 def _ladder(r: _Reader, value, key: str) -> tuple:
@@ -203,26 +216,26 @@ def _recovery(r: _Reader, data) -> RecoverySpec:
     if "ladders" in c:
         lad = r.mapping(c["ladders"], "recovery.ladders", set(KINDS))
         ladders = tuple((k, _ladder(r, v, f"recovery.ladders.{k}")) for k, v in lad.items())
-    w = r.mapping(c.get("wait", {}), "recovery.wait", {"initial", "max", "timeout"})
-    cl = r.mapping(c.get("crash_loop", {}), "recovery.crash_loop",
-                   {"same_failure", "failures", "window_minutes"})
-    d = RecoverySpec()
+    w = r.mapping(c.get("wait", {}), "recovery.wait", _subkeys(RecoverySpec, "wait"))
+    cl = r.mapping(c.get("crash_loop", {}), "recovery.crash_loop", _keys(CrashLoopSpec))
     return RecoverySpec(
         ladders=ladders,
-        reinstall_tensorflow=r.boolean(c, "reinstall_tensorflow", "recovery.reinstall_tensorflow"),
+        reinstall_tensorflow=r.boolean(c, "reinstall_tensorflow", "recovery.reinstall_tensorflow",
+                                       _RC.reinstall_tensorflow),
         reinstall_max=r.integer(c, "reinstall_max", "recovery.reinstall_max", _RC.reinstall_max, 0),
         pip=r.strings(c, "pip", "recovery.pip"),
         pip_args=r.strings(c, "pip_args", "recovery.pip_args"),
         tensorflow_distributions=r.strings(c, "tensorflow_distributions",
                                            "recovery.tensorflow_distributions",
-                                           d.tensorflow_distributions),
-        verify_import=r.string(c, "verify_import", "recovery.verify_import", d.verify_import),
-        halve_batch=r.boolean(c, "halve_batch", "recovery.halve_batch"),
+                                           _RC.tensorflow_distributions),
+        verify_import=r.string(c, "verify_import", "recovery.verify_import", _RC.verify_import),
+        halve_batch=r.boolean(c, "halve_batch", "recovery.halve_batch", _RC.halve_batch),
         min_batch_size=r.integer(c, "min_batch_size", "recovery.min_batch_size", _RC.min_batch_size, 1),
-        strategy_fallback=r.boolean(c, "strategy_fallback", "recovery.strategy_fallback"),
-        wait_initial=r.number(w, "initial", "recovery.wait.initial", d.wait_initial, 0),
-        wait_max=r.number(w, "max", "recovery.wait.max", d.wait_max, 0),
-        wait_timeout=r.number(w, "timeout", "recovery.wait.timeout", d.wait_timeout, 0),
+        strategy_fallback=r.boolean(c, "strategy_fallback", "recovery.strategy_fallback",
+                                    _RC.strategy_fallback),
+        wait_initial=r.number(w, "initial", "recovery.wait.initial", _RC.wait_initial, 0),
+        wait_max=r.number(w, "max", "recovery.wait.max", _RC.wait_max, 0),
+        wait_timeout=r.number(w, "timeout", "recovery.wait.timeout", _RC.wait_timeout, 0),
         crash_loop=CrashLoopSpec(
             same_failure=r.integer(cl, "same_failure", "recovery.crash_loop.same_failure",
                                   _CL.same_failure, 2),
@@ -231,11 +244,7 @@ def _recovery(r: _Reader, data) -> RecoverySpec:
                                     _CL.window_minutes, 0)),
     )
 
-_SCHEDULE_KEYS = {
-    "step_decay": {"initial", "factor", "every"},
-    "cosine": {"initial", "minimum", "decay_epochs", "warmup_epochs"},
-    "piecewise": {"boundaries", "values"},
-}
+_SCHEDULE_KEYS = {name: _keys(cls) for name, cls in SCHEDULE_PARAMS.items()}
 
 
 def _learning_rate(r: _Reader, v) -> LearningRateSpec:
@@ -266,11 +275,12 @@ def _learning_rate(r: _Reader, v) -> LearningRateSpec:
         if "initial" in v:
             p["initial"] = r.number(v, "initial", f"{key}.initial", minimum=0)
         if name == "step_decay":
-            p["factor"] = r.number(v, "factor", f"{key}.factor", 0.1, 0)
-            p["every"] = r.integer(v, "every", f"{key}.every", 1, 1)
+            p["factor"] = r.number(v, "factor", f"{key}.factor", _SD.factor, 0)
+            p["every"] = r.integer(v, "every", f"{key}.every", _SD.every, 1)
         else:
-            p["minimum"] = r.number(v, "minimum", f"{key}.minimum", 0.0, 0)
-            p["warmup_epochs"] = r.integer(v, "warmup_epochs", f"{key}.warmup_epochs", 0, 0)
+            p["minimum"] = r.number(v, "minimum", f"{key}.minimum", _CO.minimum, 0)
+            p["warmup_epochs"] = r.integer(v, "warmup_epochs", f"{key}.warmup_epochs",
+                                           _CO.warmup_epochs, 0)
             if "decay_epochs" in v:
                 p["decay_epochs"] = r.integer(v, "decay_epochs", f"{key}.decay_epochs", None, 1)
     return LearningRateSpec(schedule=name, params=p)
@@ -310,9 +320,9 @@ def _off_is_a_word(data: dict, key: str) -> dict:
     """YAML 1.1 reads a bare ``off`` as false and ``on`` as true: ``standby: off`` and
     ``standby: on`` mean the modes "off" and "on"."""
     if data.get(key) is False:
-        return dict(data, **{key: "off"})
+        return dict(data, **{key: StandbyMode.OFF})
     if data.get(key) is True:
-        return dict(data, **{key: "on"})
+        return dict(data, **{key: StandbyMode.ON})
     return data
 
 def load(path: str, run_dir: str | None = None, backend: str | None = None) -> JobSpec:
@@ -358,8 +368,8 @@ def _read(r: _Reader, data: dict, path: str, run_dir: str | None,
 
     compile_spec = None
     if "compile" in data:
-        c = r.mapping(data["compile"], "compile", {"optimizer", "loss", "metrics"}, {"loss"})
-        opt = c.get("optimizer", "adam")
+        c = r.mapping(data["compile"], "compile", _keys(CompileSpec), {"loss"})
+        opt = c.get("optimizer", _CM.optimizer)
         if not isinstance(opt, (str, dict)):
             r.fail("compile.optimizer", f"expected a name like 'adam' or a mapping "
                    f"{{class_name: ..., config: ...}}, got {opt!r}")
@@ -380,10 +390,10 @@ def _read(r: _Reader, data: dict, path: str, run_dir: str | None,
 
     restarts = RestartSpec()
     if "restarts" in data:
-        c = r.mapping(data["restarts"], "restarts", {"max", "preemptions", "backoff"})
+        c = r.mapping(data["restarts"], "restarts", _keys(RestartSpec, nested=("backoff",)))
         b = {}
         if "backoff" in c:
-            b = r.mapping(c["backoff"], "restarts.backoff", {"initial", "max", "multiplier"})
+            b = r.mapping(c["backoff"], "restarts.backoff", _subkeys(RestartSpec, "backoff"))
         restarts = RestartSpec(
             max=r.integer(c, "max", "restarts.max", _RS.max, 0),
             preemptions=r.integer(c, "preemptions", "restarts.preemptions", _RS.preemptions, 0),
@@ -409,7 +419,7 @@ def _read(r: _Reader, data: dict, path: str, run_dir: str | None,
         restarts=restarts,
         heartbeat_interval=r.number(data, "heartbeat_interval", "heartbeat_interval",
                                          _JOB["heartbeat_interval"], 0.05),
-        deterministic=r.boolean(data, "deterministic", "deterministic"),
+        deterministic=r.boolean(data, "deterministic", "deterministic", _JOB["deterministic"]),
         learning_rate=(_learning_rate(r, data["learning_rate"]) if "learning_rate" in data
                        else None),
         callbacks=_callbacks(r, data["callbacks"]) if "callbacks" in data else (),
@@ -461,7 +471,7 @@ def _code(r: _Reader, data: dict) -> CodeSpec | None:
             r.note(k, f"'{CELL_MODULE}:...' names a function carried by orchestrator.run("
                       f"{k}=function), but the job has no 'code' section naming its file")
         return None
-    c = r.mapping(data["code"], "code", {"file", "sha256", "fingerprint"}, {"file", "sha256"})
+    c = r.mapping(data["code"], "code", _keys(CodeSpec), {"file", "sha256"})
     file = r.string(c, "file", "code.file")
     if file and (os.path.basename(file) != file or file.startswith(".")):
         r.note("code.file", f"expected a file name next to the job file, got {file!r}")
@@ -485,7 +495,7 @@ def _tensorboard(r: _Reader, v, run_dir: str) -> TensorBoardSpec | None:
     if not isinstance(c, dict):
         r.fail("tensorboard", f"expected true, false, a log directory or a mapping "
                f"{{dir: PATH, every_steps: N}}, got {v!r}")
-    r.mapping(c, "tensorboard", {"dir", "every_steps"})
+    r.mapping(c, "tensorboard", _keys(TensorBoardSpec))
     d = r.string(c, "dir", "tensorboard" if isinstance(v, str) else "tensorboard.dir",
                  TENSORBOARD_DIR)
     return TensorBoardSpec(
@@ -493,16 +503,14 @@ def _tensorboard(r: _Reader, v, run_dir: str) -> TensorBoardSpec | None:
         every_steps=r.integer(c, "every_steps", "tensorboard.every_steps", _TB.every_steps, 0))
 
 
-CHECKPOINT_KEYS = {"every_epochs", "keep", "every_steps", "every_seconds", "keep_every_epochs",
-                   "keep_best", "local_dir", "remount", "flush_timeout", "upload_backoff",
-                   "background"}
+CHECKPOINT_KEYS = _keys(CheckpointSpec, nested=("upload_backoff", "keep_best"))
 
 
 def _checkpoint_spec(r: _Reader, c, name: str, run_dir: str) -> CheckpointSpec:
     from orchestrator.core.rundir import default_local_dir
 
     r.mapping(c, "checkpoint", CHECKPOINT_KEYS)
-    best, mode = None, "min"
+    best, mode = None, _CK.keep_best_mode
     if c.get("keep_best") is not None:
         b = r.mapping(c["keep_best"], "checkpoint.keep_best", {"metric", "mode"}, {"metric"})
         best = r.string(b, "metric", "checkpoint.keep_best.metric")
@@ -519,7 +527,8 @@ def _checkpoint_spec(r: _Reader, c, name: str, run_dir: str) -> CheckpointSpec:
         r.fail("checkpoint.remount", f"expected 'colab' or 'module:function', got {remount!r}")
     b = {}
     if "upload_backoff" in c:
-        b = r.mapping(c["upload_backoff"], "checkpoint.upload_backoff", {"initial", "max"})
+        b = r.mapping(c["upload_backoff"], "checkpoint.upload_backoff",
+                      _subkeys(CheckpointSpec, "upload_backoff"))
     return CheckpointSpec(
         every_epochs=r.integer(c, "every_epochs", "checkpoint.every_epochs", _CK.every_epochs, 1),
         keep=r.integer(c, "keep", "checkpoint.keep", _CK.keep, 1),

@@ -368,7 +368,8 @@ def check_runtime(run_dir: str, strategy: str = "auto", env=None, run_probe: boo
 
 def run(job: str | None = None, run_dir: str | None = None, **kw) -> list[Check]:
     """The checks for ``job`` (its run_dir and strategy), or for ``run_dir`` with no job."""
-    from orchestrator.core.spec import SpecError, load
+    from orchestrator.core.spec import SpecError
+    from orchestrator.core.specload import load
 
     strategy, first, spec = "auto", [], None
     if job is not None:

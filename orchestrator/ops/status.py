@@ -18,7 +18,8 @@ from orchestrator.core.journal import Journal
 from orchestrator.core.lock import FILE as LOCK_FILE, RunLock
 from orchestrator.core.osutil import read_json
 from orchestrator.core.rundir import RunDir
-from orchestrator.core.spec import SpecError, load
+from orchestrator.core.spec import SpecError
+from orchestrator.core.specload import load
 from orchestrator.core.events import Event
 
 

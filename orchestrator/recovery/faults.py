@@ -39,9 +39,9 @@ from orchestrator.checkpoint.store import COMMIT_MARKER
 from orchestrator.checkpoint.tiers import DURABLE_MARKER
 from orchestrator.core.osutil import read_json, write_json_atomic
 from orchestrator.core.events import Event
-from orchestrator.core.rundir import FAULTS_DIR
+from orchestrator.core.rundir import ENV_FAULTS, FAULTS_DIR
 
-ENV = "ORCHESTRATOR_FAULTS"
+ENV = ENV_FAULTS
 _SPEC = re.compile(r"^(?P<what>kill|hang|raise|exit|corrupt-checkpoint|storage-down|"
                    r"delay-checkpoint|disk-full)"
                    r"(?:=(?P<arg>[\w-]+))?@(?P<at>step|epoch|checkpoint|export)=(?P<n>\d+)"

@@ -30,6 +30,7 @@ from orchestrator.core.osutil import pid_alive, read_json
 from orchestrator.recovery import oom
 from orchestrator.recovery.failures import signal_name
 from orchestrator.supervise.hangs import HangClock, dump_stacks
+from orchestrator.supervise.messages import Beat, Committed, Exited, Stop, Tick
 
 
 class Stopped(Exception):
@@ -135,20 +136,20 @@ class Attempt:
             try:
                 item = self.events.get(timeout=max(0.0, timeout))
             except queue.Empty:
-                item = ("tick",)
+                item = Tick()
             rc = self._exited(item)
             if rc is not None:
                 break
-            if item[0] == "checkpoint":
+            if isinstance(item, Committed):
                 on_checkpoint()
-            elif item[0] == "heartbeat":
+            elif isinstance(item, Beat):
                 self.hang.beat()
                 if self.hang.stepped and on_training is not None:
                     on_training()
                     on_training = None
-            elif item[0] == "exit" and on_other_exit is not None:
-                on_other_exit(item[1], item[2])
-            elif item[0] == "stop":
+            elif isinstance(item, Exited) and on_other_exit is not None:
+                on_other_exit(item.key, item.code)
+            elif isinstance(item, Stop):
                 raise Stopped()
             if self.hang.remaining() <= 0:
                 hang_age = self.hang.age()
@@ -164,10 +165,10 @@ class Attempt:
         return Outcome(self.n, rc, time.time() - self.t0, hang_age, error, self.log,
                        self._oom_evidence(rc) if hang_age is None else None)
 
-    def _exited(self, item: tuple) -> int | None:
+    def _exited(self, item) -> int | None:
         """The attempt's exit status when ``item`` ends it (a group waits for all, or the
         first that fails: supervise/group.py)."""
-        return item[2] if item[0] == "exit" and item[1] is self.proc else None
+        return item.code if isinstance(item, Exited) and item.key is self.proc else None
 
     def _oom_evidence(self, rc: int) -> str | None:
         if rc != -signal.SIGKILL:
@@ -197,8 +198,8 @@ class Attempt:
         """After ``stop``: the exit status, once the process is gone."""
         while True:
             item = self.events.get()
-            if item[0] == "exit" and item[1] is self.proc:
-                return item[2]
+            if isinstance(item, Exited) and item.key is self.proc:
+                return item.code
 
     def signal(self, sig: int) -> None:
         """Send ``sig`` to the worker's whole process group (SIGSTOP/SIGCONT: the lease)."""
@@ -225,8 +226,8 @@ def spawn(cmd: list[str], env: dict, cwd: str, log: str,
 
 
 def watch_exit(proc: subprocess.Popen, events: queue.Queue, key, name: str) -> None:
-    """Put ``("exit", key, status)`` on the supervisor's queue the moment ``proc`` exits."""
-    threading.Thread(target=lambda: events.put(("exit", key, proc.wait())), name=name,
+    """Put ``Exited(key, status)`` on the supervisor's queue the moment ``proc`` exits."""
+    threading.Thread(target=lambda: events.put(Exited(key, proc.wait())), name=name,
                      daemon=True).start()
 
 

@@ -32,6 +32,7 @@ from typing import Callable
 from tenacity import wait_exponential
 
 from orchestrator.core import heartbeat
+from orchestrator.core.clock import SYSTEM, Clock
 from orchestrator.core.events import Event
 from orchestrator.core.journal import Journal, append_lines
 from orchestrator.core.osutil import is_missing, write_atomic
@@ -46,8 +47,9 @@ RETRY_WAIT = wait_exponential(multiplier=CONTROL_SYNC_S, max=5.0)
 class Outage:
     """Whether the run directory answers; each change journaled once (from any thread)."""
 
-    def __init__(self, journal: Journal, root: str, say: Callable[[str], None]):
-        self.journal, self.root, self.say = journal, root, say
+    def __init__(self, journal: Journal, root: str, say: Callable[[str], None],
+                 clock: Clock = SYSTEM):
+        self.journal, self.root, self.say, self.clock = journal, root, say, clock
         self.since: float | None = None
         self.failures = 0
         self._lock = threading.Lock()
@@ -61,7 +63,7 @@ class Outage:
             self.failures += 1
             if self.since is not None:
                 return
-            self.since = time.time()
+            self.since = self.clock.time()
         self.journal.append(Event.RUN_DIR_UNREACHABLE, error=str(exc), errno=exc.errno,
                             during=during)
         self.say(f"the run directory {self.root} cannot be written ({exc}); training goes on, "
@@ -74,7 +76,7 @@ class Outage:
             if self.since is None:
                 return False
             since, self.since = self.since, None
-        outage = time.time() - since
+        outage = self.clock.time() - since
         self.journal.append(Event.RUN_DIR_RESTORED, outage_s=round(outage, 3),
                             down_since=round(since, 3), held_back=held_back or {})
         self.say(f"the run directory is back after {outage:.0f} s")
@@ -105,10 +107,11 @@ def journal_lines(path: str) -> tuple[list[bytes], int]:
 
 
 class ControlMirror:
-    def __init__(self, rd: RunDir, outage: Outage, hold: Callable[[], bool] = lambda: True):
+    def __init__(self, rd: RunDir, outage: Outage, hold: Callable[[], bool] = lambda: True,
+                 clock: Clock = SYSTEM):
         """``hold()`` is asked before each pass: False means write nothing to the run directory
         now (the lock is not ours, or not confirmed since an outage)."""
-        self.rd, self.outage, self.hold = rd, outage, hold
+        self.rd, self.outage, self.hold, self.clock = rd, outage, hold, clock
         self._appended: dict[str, tuple[int, int | None]] = {}  # rel -> (local, durable) sizes
         self._copied: dict[str, tuple] = {}                     # rel -> local (size, mtime_ns)
         self._wake = threading.Event()
@@ -178,19 +181,19 @@ class ControlMirror:
         while not self._stop.is_set():
             failed = 0 if self.sync() else failed + 1
             delay = CONTROL_SYNC_S if not failed else RETRY_WAIT(_Retry(failed))
-            self._wake.wait(delay)
+            self.clock.wait(self._wake, delay)
             self._wake.clear()
 
     def flush(self, timeout: float) -> bool:
         """Mirror everything now, retrying until ``timeout``; True when nothing is held back."""
-        deadline = time.monotonic() + timeout
+        deadline = self.clock.monotonic() + timeout
         while True:
             if self.sync():
                 return True
-            left = deadline - time.monotonic()
+            left = deadline - self.clock.monotonic()
             if left <= 0:
                 return False
-            time.sleep(min(0.5, left))
+            self.clock.sleep(min(0.5, left))
 
     def stop(self, flush_timeout: float | None) -> bool:
         """Stop the thread after a last flush (none when ``flush_timeout`` is None); False (and

@@ -31,6 +31,7 @@ from orchestrator.core import heartbeat
 from orchestrator.core.events import Event
 from orchestrator.core.rundir import RunDir
 from orchestrator.supervise.attempt import Attempt, Phase, kill_group, spawn, watch_exit
+from orchestrator.supervise.messages import Exited
 
 
 class EngineUnavailable(RuntimeError):
@@ -122,10 +123,10 @@ class GroupAttempt(Attempt):
                             engine=self.engine.name,
                             workers=[m.describe() for m in self.members], **(path or {}))
 
-    def _exited(self, item: tuple) -> int | None:
-        if item[0] != "exit" or item[1] not in self.members:
+    def _exited(self, item) -> int | None:
+        if not isinstance(item, Exited) or item.key not in self.members:
             return None
-        m, rc = item[1], item[2]
+        m, rc = item.key, item.code
         m.exit_code = rc
         if rc != 0 and self.failed is None:
             self.failed = m
@@ -143,8 +144,8 @@ class GroupAttempt(Attempt):
     def _wait_stopped(self) -> int:
         while any(x.exit_code is None for x in self.members):
             item = self.events.get()
-            if item[0] == "exit" and item[1] in self.members:
-                item[1].exit_code = item[2]
+            if isinstance(item, Exited) and item.key in self.members:
+                item.key.exit_code = item.code
         rcs = [m.exit_code for m in self.members]
         return self.failed.exit_code if self.failed else next((rc for rc in rcs if rc), 0)
 

@@ -10,26 +10,26 @@ from __future__ import annotations
 
 import os
 import queue
-import time
 
 from watchdog.events import FileSystemEventHandler
 
 from orchestrator.core import heartbeat
+from orchestrator.core.clock import SYSTEM, Clock
+from orchestrator.supervise.messages import Beat
 
-# Heartbeat phases written once a training step is done (train/callbacks.py); before them come
-# "starting" (imports, build, restore) and "train_begin" (the first step, traced).
-STEPPED = ("training", "validation", "epoch_end")
+# Heartbeat phases written once a training step is done (core/heartbeat.Phase).
+STEPPED = heartbeat.Phase.STEPPED
 
 
 class HeartbeatEvents(FileSystemEventHandler):
-    """Puts ("heartbeat",) on the supervisor's queue whenever heartbeat.json is replaced."""
+    """Puts ``Beat()`` on the supervisor's queue whenever heartbeat.json is replaced."""
 
     def __init__(self, q: queue.Queue):
         self.q = q
 
     def _check(self, path) -> None:
         if os.path.basename(os.fsdecode(path)) == heartbeat.FILE:
-            self.q.put(("heartbeat",))
+            self.q.put(Beat())
 
     def on_moved(self, event):
         self._check(event.dest_path)
@@ -44,27 +44,29 @@ class HeartbeatEvents(FileSystemEventHandler):
 class HangClock:
     """When the attempt in flight counts as hung."""
 
-    def __init__(self, run_dir: str, hang_timeout: float, startup_timeout: float):
-        self.run_dir = run_dir
+    def __init__(self, run_dir: str, hang_timeout: float, startup_timeout: float,
+                 clock: Clock = SYSTEM):
+        self.run_dir, self.clock = run_dir, clock
         self.hang_timeout, self.startup_timeout = hang_timeout, startup_timeout
         self.attempt = None
-        self.last = time.monotonic()
-        self.last_wall = time.time()
+        self.last = clock.monotonic()
+        self.last_wall = clock.time()
         self.training = False  # past start-up: the hang timeout applies
         self.stepped = False   # a training step is done (a standby may start)
         self.paused = False  # the worker is stopped on purpose (core/lock.py's lease)
 
     def start(self, attempt: int) -> None:
         self.attempt, self.training, self.stepped = attempt, False, False
-        self.last, self.last_wall = time.monotonic(), time.time()
+        self.last, self.last_wall = self.clock.monotonic(), self.clock.time()
 
     def beat(self) -> None:
         """A heartbeat file event: count it if it is the current attempt's."""
         rec = heartbeat.read(self.run_dir)
         if not rec or rec.get("attempt") != self.attempt:
             return
-        self.last, self.last_wall = time.monotonic(), float(rec.get("time", time.time()))
-        if rec.get("phase") != "starting":
+        self.last = self.clock.monotonic()
+        self.last_wall = float(rec.get("time", self.clock.time()))
+        if rec.get("phase") != heartbeat.Phase.STARTING:
             self.training = True
         if rec.get("phase") in STEPPED:
             self.stepped = True
@@ -75,7 +77,7 @@ class HangClock:
     def resume(self) -> None:
         """A paused worker goes on: its silence while stopped was ours, not a hang."""
         self.paused = False
-        self.last, self.last_wall = time.monotonic(), time.time()
+        self.last, self.last_wall = self.clock.monotonic(), self.clock.time()
 
     @property
     def timeout(self) -> float:
@@ -84,14 +86,14 @@ class HangClock:
     def remaining(self) -> float:
         if self.paused:
             return float("inf")
-        return self.timeout - (time.monotonic() - self.last)
+        return self.timeout - (self.clock.monotonic() - self.last)
 
     def age(self) -> float:
         """Seconds since the last beat, by the beat's own timestamp."""
-        return time.time() - self.last_wall
+        return self.clock.time() - self.last_wall
 
 
-def dump_stacks(pid: int, log_path: str, wait: float = 2.0) -> bool:
+def dump_stacks(pid: int, log_path: str, wait: float = 2.0, clock: Clock = SYSTEM) -> bool:
     """Ask the worker for a stack dump into its log; True once the log grew (or the wait ends)."""
     try:
         size = os.path.getsize(log_path)
@@ -101,9 +103,9 @@ def dump_stacks(pid: int, log_path: str, wait: float = 2.0) -> bool:
         os.kill(pid, heartbeat.STACK_DUMP_SIGNAL)
     except ProcessLookupError:
         return False
-    deadline = time.monotonic() + wait
+    deadline = clock.monotonic() + wait
     grew_at = None
-    while time.monotonic() < deadline:  # a short bounded wait for a write we just caused
+    while clock.monotonic() < deadline:  # a short bounded wait for a write we just caused
         try:
             now = os.path.getsize(log_path)
         except OSError:
@@ -112,5 +114,5 @@ def dump_stacks(pid: int, log_path: str, wait: float = 2.0) -> bool:
             if grew_at is not None and now == grew_at:
                 return True  # grown and settled
             grew_at = now
-        time.sleep(0.05)
+        clock.sleep(0.05)
     return grew_at is not None

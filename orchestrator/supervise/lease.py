@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import signal
 import threading
-import time
 from typing import Callable
 
+from orchestrator.core.clock import SYSTEM, Clock
 from orchestrator.core.events import Event
 from orchestrator.core.journal import Journal
 from orchestrator.core.lock import Lease, LockLost, RunLock
@@ -24,8 +24,10 @@ from orchestrator.supervise.hangs import HangClock
 class LeaseKeeper:
     def __init__(self, lock: RunLock, lease: Lease, outage: Outage, journal: Journal,
                  hang: HangClock, signal_worker: Callable[[int], int | None],
-                 on_lost: Callable[[LockLost], None], say: Callable[[str], None]):
+                 on_lost: Callable[[LockLost], None], say: Callable[[str], None],
+                 clock: Clock = SYSTEM):
         self.lock, self.lease, self.outage, self.journal = lock, lease, outage, journal
+        self.clock = clock
         self.hang, self.signal_worker, self.on_lost, self.say = hang, signal_worker, on_lost, say
         self.held = threading.Event()  # clear while the worker is paused
         self.held.set()
@@ -59,13 +61,13 @@ class LeaseKeeper:
 
     def wait_held(self, stopped: threading.Event) -> bool:
         """Block while the worker is paused by the lease; False when ``stopped`` is set."""
-        while not self.held.wait(0.5):
+        while not self.clock.wait(self.held, 0.5):
             if stopped.is_set():
                 return False
         return True
 
     def _pause(self) -> None:
-        self.paused_at = time.time()
+        self.paused_at = self.clock.time()
         self.held.clear()
         self.hang.pause()
         pgid = self.signal_worker(signal.SIGSTOP)
@@ -75,7 +77,7 @@ class LeaseKeeper:
                  f"paused, so that no other machine can take the run over while it trains")
 
     def _resume(self) -> None:
-        paused = time.time() - self.paused_at
+        paused = self.clock.time() - self.paused_at
         self.paused_at = None
         pgid = self.signal_worker(signal.SIGCONT)
         self.hang.resume()

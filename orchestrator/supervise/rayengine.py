@@ -22,7 +22,9 @@ import os
 import signal
 import threading
 
+from orchestrator.core.rundir import ENV_RAY_PLACEMENT_TIMEOUT
 from orchestrator.supervise.group import EngineUnavailable, Member, free_port
+from orchestrator.supervise.messages import Exited
 
 # What Ray sets in an actor for the resources of its bundle; the worker must see the same.
 RAY_DEVICE_ENV = ("CUDA_VISIBLE_DEVICES", "TPU_VISIBLE_CHIPS", "TPU_CHIPS_PER_HOST_BOUNDS",
@@ -124,7 +126,7 @@ class RayEngine:
 
         self.close()
         self.pg = placement_group([dict(self.resources)] * size, strategy="SPREAD")
-        timeout = float(os.environ.get("ORCHESTRATOR_RAY_PLACEMENT_TIMEOUT", "120"))
+        timeout = float(os.environ.get(ENV_RAY_PLACEMENT_TIMEOUT, "120"))
         if not self.pg.wait(timeout):
             raise RayUnavailable(f"Ray could not place {size} worker(s) of {self.resources} "
                                  f"each within {timeout:.0f} s (ray status shows what it has)")
@@ -150,7 +152,7 @@ class RayEngine:
                 rc, record, tail = -signal.SIGKILL, None, None
                 m.info["lost"] = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
             _keep_remote(m, record, tail)
-            events.put(("exit", m, rc))
+            events.put(Exited(m, rc))
 
         threading.Thread(target=watch, name=f"ray-rank-{m.rank}", daemon=True).start()
 

@@ -31,16 +31,16 @@ from orchestrator.core.backends import JAX, TENSORFLOW
 from orchestrator.core.events import Event
 from orchestrator.core.journal import Journal
 from orchestrator.core.kinds import Action
-from orchestrator.core.rundir import RunDir
+from orchestrator.core.rundir import ENV_PREFIX, RunDir
 from orchestrator.core.spec import JobSpec
+from orchestrator.core.standbymode import StandbyMode
 from orchestrator.recovery.failures import read_tail
 from orchestrator.recovery.policy import is_preemption
 from orchestrator.supervise import standby_policy
 from orchestrator.supervise.attempt import spawn, watch_exit
 
-ON = "on"                    # the job's setting: a standby wherever the device allows one
-WARM = "warm"                # imported, built, compiled, traced
-IMPORT_ONLY = "import_only"  # imported the framework only (a TPU the active worker holds)
+ON = StandbyMode.ON            # the job's setting: a standby wherever the device allows one
+WARM, IMPORT_ONLY = StandbyMode.WARM, StandbyMode.IMPORT_ONLY
 
 
 def mode_for(setting: str, strategy: str, accelerator: str | None,
@@ -57,7 +57,7 @@ def mode_for(setting: str, strategy: str, accelerator: str | None,
     and nothing more (train/standby.py's import-only path; tests/test_tpuvm.py proves that no
     JAX backend is initialised there), and the rest of its start-up is the compile cache's."""
     on_tpu_vm = strategy == "tpu" and accelerator != "tpu_node"
-    if setting == "off":
+    if setting == StandbyMode.OFF:
         return None, "standby: off"
     if on_tpu_vm and backend != JAX:
         return None, f"{setting} on a TPU VM with TensorFlow: importing it takes libtpu, " \
@@ -74,7 +74,7 @@ def mode_for(setting: str, strategy: str, accelerator: str | None,
 
 def _overrides(env: dict) -> dict:
     """What a recovery action changes for the next worker: its ORCHESTRATOR_* variables."""
-    return {k: v for k, v in env.items() if k.startswith("ORCHESTRATOR_")}
+    return {k: v for k, v in env.items() if k.startswith(ENV_PREFIX)}
 
 
 class Standby:

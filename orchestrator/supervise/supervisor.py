@@ -27,7 +27,6 @@ import shutil
 import signal
 import sys
 import threading
-import time
 
 from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_exponential
 from watchdog.events import FileSystemEventHandler
@@ -37,6 +36,7 @@ from orchestrator.checkpoint import tiers
 from orchestrator.checkpoint.mirror import DurableMirror, remount_hook
 from orchestrator.checkpoint.store import COMMIT_MARKER
 from orchestrator.core import heartbeat
+from orchestrator.core.clock import SYSTEM, Clock
 from orchestrator.core.events import Event
 from orchestrator.core.journal import Journal
 from orchestrator.core.lock import Lease, LockLost, RunLock
@@ -58,6 +58,7 @@ from orchestrator.supervise.group import GroupAttempt, LocalEngine
 from orchestrator.supervise.hangs import HangClock, HeartbeatEvents
 from orchestrator.supervise.lease import LeaseKeeper
 from orchestrator.supervise.ledger import CheckpointLedger
+from orchestrator.supervise.messages import Committed, Stop
 from orchestrator.supervise.standby import Keeper
 
 # A run directory that does not answer at start is retried this long (a Drive mount that is
@@ -81,7 +82,7 @@ class _CheckpointEvents(FileSystemEventHandler):
     def _maybe(self, path) -> None:
         name = os.path.basename(os.fsdecode(path))
         if name == COMMIT_MARKER or (len(name) == 10 and name.isdigit()):
-            self.q.put(("checkpoint", path))
+            self.q.put(Committed(path))
 
 
 def worker_command(spec: JobSpec, attempt: int) -> list[str]:
@@ -100,14 +101,16 @@ def export_command(spec: JobSpec) -> list[str]:
 class Supervisor:
     def __init__(self, spec: JobSpec, worker_cmd=worker_command, out=None, env=None,
                  faults=(), force: bool = False, remount=None, export_cmd="auto", cell=None,
-                 standby_cmd="auto"):
+                 standby_cmd="auto", clock: Clock = SYSTEM):
         """``force`` resumes under a changed training hash. ``remount(durable_dir)`` replaces
         the job's ``checkpoint.remount`` hook (a notebook may pass its own). ``export_cmd(spec)``
         is the exporter, ``standby_cmd(spec, attempt, mode)`` the standby worker; "auto" means
         the real one with the real worker and none with a custom worker command (tests' fake
         workers). ``cell``: a job given to ``orchestrator.run`` as keywords
-        (core/cellcode.CellJob), frozen with its code once the run is admitted."""
+        (core/cellcode.CellJob), frozen with its code once the run is admitted. ``clock``: what
+        the lease, the hang clock, the mirrors and the waits between attempts read."""
         self.spec, self.force, self.worker_cmd, self.env = spec, force, worker_cmd, env
+        self.clock = clock
         self.cell = cell
         if export_cmd == "auto":
             export_cmd = export_command if worker_cmd is worker_command else None
@@ -123,24 +126,25 @@ class Supervisor:
         self.mirror = DurableMirror(self.store, self.journal, c.retention,
                                     c.upload_backoff_initial, c.upload_backoff_max,
                                     remount=remount or remount_hook(spec), say=self.say,
-                                    hold=lambda: self.keeper.hold())
+                                    hold=lambda: self.keeper.hold(), clock=clock)
         self.lock = RunLock(self.rd.root, stale_after=spec.lock_stale_after)
-        self.outage = Outage(self.journal, self.rd.root, self.say)
-        self.control = ControlMirror(self.rd, self.outage, hold=lambda: self.keeper.hold())
+        self.outage = Outage(self.journal, self.rd.root, self.say, clock=clock)
+        self.control = ControlMirror(self.rd, self.outage, hold=lambda: self.keeper.hold(),
+                                     clock=clock)
         self.q: queue.Queue = queue.Queue()
         self.attempt: Attempt | None = None
         self._stop = threading.Event()
         self.stop_signal: int | None = None  # what stopped us: SIGINT is a cell interrupt
         self.restarts = 0
         self.progress = Progress(self.out, self.rd.control, spec.epochs)
-        self.hang = HangClock(self.rd.control, spec.hang_timeout, spec.startup_timeout)
-        self.keeper = LeaseKeeper(self.lock, Lease(spec.lock_stale_after), self.outage,
+        self.hang = HangClock(self.rd.control, spec.hang_timeout, spec.startup_timeout, clock)
+        self.keeper = LeaseKeeper(self.lock, Lease(spec.lock_stale_after, clock), self.outage,
                                   self.journal, self.hang, self._signal_worker,
-                                  on_lost=self._on_lock_lost, say=self.say)
+                                  on_lost=self._on_lock_lost, say=self.say, clock=clock)
         self.remedies = Remedies(spec, self._base_env, own_pgid=self._worker_pgid,
                                  sleep=self._sleep, say=self.say)
         self.policy = RecoveryPolicy(spec.recovery, spec.restarts,
-                                     applicable=self.remedies.applicable)
+                                     applicable=self.remedies.applicable, clock=clock.time)
         self.ledger = CheckpointLedger(self.store, self.journal, self.progress,
                                        on_progress=self.policy.progress,
                                        on_scanned=self.mirror.notify)
@@ -279,7 +283,7 @@ class Supervisor:
                      outcome.oom, job=JobContext.from_spec(self.spec))
         self._journal_ended(outcome, error, d.kind, d.signature, d.layer)
         return Failure(outcome.attempt, d.kind, d.signature, self._position(outcome, error),
-                       time.time(), d.evidence, d.escalate)
+                       self.clock.time(), d.evidence, d.escalate)
 
     def _apply(self, outcome: Outcome, decision: Decision) -> None:
         """Carry out the action (none for give_up) and journal it with the policy's reason."""
@@ -312,7 +316,7 @@ class Supervisor:
     def _on_lock_lost(self, lost: LockLost) -> None:
         self.mirror.stop(timeout=0)  # no more uploads; a flush waiting on it returns
         self._stop.set()
-        self.q.put(("stop",))
+        self.q.put(Stop())
 
     def _signal_worker(self, sig: int) -> int | None:
         a = self.attempt
@@ -436,7 +440,7 @@ class Supervisor:
         return env
 
     def _sleep(self, seconds: float) -> None:
-        if self._stop.wait(seconds):
+        if self.clock.wait(self._stop, seconds):
             raise Stopped()
 
     # ------------------------------------------------------------------ accelerator watch
@@ -461,14 +465,14 @@ class Supervisor:
         """Our own SIGTERM/SIGINT is a preemption notice too: the worker gets SIGTERM and
         ``preempt_grace`` to commit its state; what it saved is journaled and, in what is left
         of the grace, copied to the durable tier (a preempted VM's local disk goes with it)."""
-        deadline = time.monotonic() + self.spec.preempt_grace
+        deadline = self.clock.monotonic() + self.spec.preempt_grace
         if self.attempt is not None:
             self.attempt.stop(grace=self.spec.preempt_grace)
             self.attempt = None
         self.ledger.scan()
         if not self.mirror.running:
             return
-        pending = self.mirror.flush(max(0.0, deadline - time.monotonic()))
+        pending = self.mirror.flush(max(0.0, deadline - self.clock.monotonic()))
         if pending:
             self.say(f"{len(pending)} checkpoint(s) not durable yet (steps {pending}); they "
                      f"are in {self.store.local.root}")
@@ -484,7 +488,7 @@ class Supervisor:
         def handler(signum, frame):
             self.stop_signal = signum
             self._stop.set()
-            self.q.put(("stop",))
+            self.q.put(Stop())
 
         return {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
 

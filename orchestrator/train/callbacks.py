@@ -17,7 +17,7 @@ from orchestrator.train import state
 from orchestrator.checkpoint import writer
 from orchestrator.checkpoint.store import CheckpointStore
 from orchestrator.checkpoint.writer import CheckpointWriter
-from orchestrator.core.heartbeat import HeartbeatWriter, Position
+from orchestrator.core.heartbeat import HeartbeatWriter, Phase, Position
 from orchestrator.core.spec import CheckpointSpec
 
 
@@ -230,18 +230,18 @@ class HeartbeatCallback(keras.callbacks.Callback):
         self._stepped = False
 
     def on_train_begin(self, logs=None):
-        self.writer.beat(force=True, phase="train_begin", **self.progress.as_dict())
+        self.writer.beat(force=True, phase=Phase.TRAIN_BEGIN, **self.progress.as_dict())
 
     def on_train_batch_end(self, batch, logs=None):
         # the first step is told at once: the supervisor starts the standby on it
-        self.writer.beat(force=not self._stepped, phase="training", **self.progress.as_dict())
+        self.writer.beat(force=not self._stepped, phase=Phase.TRAINING, **self.progress.as_dict())
         self._stepped = True
 
     def on_test_batch_end(self, batch, logs=None):  # a long validation is not a hang
-        self.writer.beat(phase="validation", **self.progress.as_dict())
+        self.writer.beat(phase=Phase.VALIDATION, **self.progress.as_dict())
 
     def on_epoch_end(self, epoch, logs=None):
-        self.writer.beat(force=True, phase="epoch_end", **self.progress.as_dict())
+        self.writer.beat(force=True, phase=Phase.EPOCH_END, **self.progress.as_dict())
 
 
 class CheckpointCallback(keras.callbacks.Callback):

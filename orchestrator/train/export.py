@@ -24,7 +24,8 @@ import uuid
 from orchestrator.checkpoint import tiers
 from orchestrator.core.osutil import read_json, sha256_file, write_json_atomic
 from orchestrator.core.rundir import EXIT_CONFIG, RunDir
-from orchestrator.core.spec import SpecError, load
+from orchestrator.core.spec import SpecError
+from orchestrator.core.specload import load
 from orchestrator.train import jobcode
 from orchestrator.train.jobcode import JobError
 

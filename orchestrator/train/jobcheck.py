@@ -20,7 +20,8 @@ import traceback
 from orchestrator.core.backends import ENV_BACKEND
 from orchestrator.core.osutil import write_json_atomic
 from orchestrator.core.rundir import EXIT_CONFIG
-from orchestrator.core.spec import SpecError, load
+from orchestrator.core.spec import SpecError
+from orchestrator.core.specload import load
 from orchestrator.train import jobcode
 from orchestrator.train.jobcode import JobError
 

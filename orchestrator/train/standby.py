@@ -35,6 +35,7 @@ import time
 import traceback
 
 from orchestrator.core.rundir import EXIT_PREEMPTED
+from orchestrator.core.standbymode import StandbyMode
 
 STANDBY_NICE = 19
 STANDBY_OOM_SCORE_ADJ = 1000  # the kernel's OOM killer takes the standby before the worker
@@ -134,21 +135,24 @@ def wait_for_promotion(stream) -> dict | None:
     return order
 
 
-def serve(spec, rd, attempt: int, mode: str, notice, t0: float) -> int:
+def serve(spec, rd, attempt: int, mode: str, notice, t0: float, steps) -> int:
     """Warm up at low priority, journal ``standby_ready``, wait for the promotion line on
-    stdin, then become ``attempt`` (the number the promotion line gives)."""
+    stdin, then become ``attempt`` (the number the promotion line gives). ``steps``: the
+    worker's ``configure``, ``prepare``, ``run`` and ``guarded``, passed in by train/worker.py,
+    which imports this module: importing them back made a cycle, and under ``python -m`` a
+    second copy of the worker module."""
     from orchestrator.core.events import Event
     from orchestrator.core.heartbeat import Position, resident_bytes
     from orchestrator.core.journal import Journal
     from orchestrator.train import jobcode
     from orchestrator.train.preemption import Preempted
-    from orchestrator.train.worker import configure, guarded, prepare, run
+    configure, guarded, prepare, run = steps.configure, steps.guarded, steps.prepare, steps.run
 
     nice = lower_priority()
     prep = None
     try:
         marks = configure(spec, t0)
-        if mode == "warm":
+        if mode == StandbyMode.WARM:
             prep = prepare(spec, t0, marks)
             trace(prep)
             prep.backend.after_compile()

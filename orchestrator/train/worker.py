@@ -16,20 +16,23 @@ import sys
 import threading
 import time
 import traceback
+from types import SimpleNamespace
 
 from orchestrator.checkpoint import tiers
 from orchestrator.checkpoint.writer import CheckpointWriter
 from orchestrator.train import jobcode
 from orchestrator.train.jobcode import JobError
 from orchestrator.recovery.faults import Injector
-from orchestrator.core.heartbeat import HeartbeatWriter, Position, register_stack_dump
+from orchestrator.core.heartbeat import HeartbeatWriter, Phase, Position, register_stack_dump
 from orchestrator.core.journal import Journal
 from orchestrator.core.osutil import write_json_atomic
 from orchestrator.core.rundir import (CPU_DEVICES_ENV, ENV_BATCH_SIZE, ENV_REINIT,
                                       ENV_RESTORE_STEP, ENV_STRATEGY, EXIT_CONFIG, EXIT_PREEMPTED,
                                       JOURNAL_FILE, RunDir)
 from orchestrator.core.backends import ENV_BACKEND
-from orchestrator.core.spec import JobSpec, SpecError, load
+from orchestrator.core.spec import JobSpec, SpecError
+from orchestrator.core.specload import load
+from orchestrator.core.standbymode import StandbyMode
 from orchestrator.core.events import Event
 from orchestrator.train.preemption import Preempted, PreemptionNotice
 
@@ -141,7 +144,7 @@ def train(spec: JobSpec, rd: RunDir, attempt: int, progress, t_start: float,
     rank = _rank()
     os.makedirs(rd.for_rank(rank), exist_ok=True)
     heart = HeartbeatWriter(rd.for_rank(rank), attempt, spec.heartbeat_interval)
-    heart.beat(force=True, phase="starting")
+    heart.beat(force=True, phase=Phase.STARTING)
     prep = prepare(spec, t_start, marks)
     return run(prep, rd, attempt, progress, t_start, marks, notice, heart)
 
@@ -171,7 +174,7 @@ def run(prep: Prepared, rd: RunDir, attempt: int, progress, t_start: float, mark
     notice = notice or PreemptionNotice()
     if heart is None:
         heart = HeartbeatWriter(rd.for_rank(rank), attempt, spec.heartbeat_interval)
-        heart.beat(force=True, phase="starting")
+        heart.beat(force=True, phase=Phase.STARTING)
     injector = Injector.from_env(rd.control, attempt, journal)
     states = CallbackStates(job_callbacks)
 
@@ -221,7 +224,7 @@ def run(prep: Prepared, rd: RunDir, attempt: int, progress, t_start: float, mark
                    resumed_from_step=at.step, deterministic=spec.deterministic,
                    restored_state_sha256=restored,
                    startup_s=round(time.time() - t_start, 3), started_at=round(t_start, 3),
-                   phases_s=marks, warm=bool(standby and standby["mode"] == "warm"),
+                   phases_s=marks, warm=bool(standby and standby["mode"] == StandbyMode.WARM),
                    **({"standby": standby} if standby else {}))
 
     def not_exact(reasons):
@@ -354,7 +357,7 @@ def _export_at_end(spec: JobSpec, rd: RunDir, store, model, journal, heart, atte
     injector.at_export()
     t0 = time.time()
     try:
-        with heart.beating(phase="exporting", epoch=final.epoch, step=final.step):
+        with heart.beating(phase=Phase.EXPORTING, epoch=final.epoch, step=final.step):
             export.write(model, spec, final, rd.export)
     except Exception as exc:  # noqa: BLE001 - the run is done; the supervisor's exporter retries
         print(f"[worker] export failed, the supervisor will retry it in its own process: "
@@ -435,7 +438,7 @@ def main(argv=None) -> int:
     p.add_argument("--run-dir", required=True)
     p.add_argument("--attempt", type=int, required=True,
                    help="the attempt (a standby: the one it is meant to become)")
-    p.add_argument("--standby", choices=("warm", "import_only"),
+    p.add_argument("--standby", choices=StandbyMode.STARTED,
                    help="warm up and wait for a promotion line on stdin")
     args = p.parse_args(argv)
     t_start = time.time()
@@ -453,7 +456,9 @@ def main(argv=None) -> int:
     if args.standby:
         from orchestrator.train import standby
 
-        return standby.serve(spec, rd, args.attempt, args.standby, notice, t_start)
+        return standby.serve(spec, rd, args.attempt, args.standby, notice, t_start,
+                             SimpleNamespace(configure=configure, guarded=guarded,
+                                             prepare=prepare, run=run))
     progress = Position()
     return guarded(rd, args.attempt, progress,
                     lambda: _cold(spec, rd, args.attempt, progress, t_start, notice))

@@ -39,7 +39,7 @@ from orchestrator.core.heartbeat import HeartbeatWriter, Position, register_stac
 from orchestrator.core.journal import Journal
 from orchestrator.core.osutil import write_atomic, write_json_atomic
 from orchestrator.core.rundir import RunDir
-from orchestrator.core.spec import load
+from orchestrator.core.specload import load
 from orchestrator.train.worker import write_error_record
 
 STEPS = 10

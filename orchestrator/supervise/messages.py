@@ -1,0 +1,43 @@
+"""What the supervisor's threads tell its loop, on its one queue, each a type of its own.
+
+The loop waits on one queue (never polling): a worker's exit (a thread per process,
+attempt.watch_exit; Ray's in rayengine.py), a heartbeat written (a watchdog event, hangs.py), a
+checkpoint committed (the checkpoint folder's watchdog event) and a stop (a signal, or a lock
+lost). A type per message, matched with ``isinstance``, instead of tuples read by position: a
+message that gains a field, or a misspelt kind, is then an error where it is made, not an item
+that no branch of the loop matches.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, eq=False)
+class Exited:
+    """A process the supervisor started exited: ``key`` is what it was started as (the
+    attempt's Popen, a group's Member, a standby's Popen), ``code`` its exit status."""
+
+    key: object
+    code: int
+
+
+@dataclass(frozen=True)
+class Beat:
+    """``heartbeat.json`` was replaced: the hang clock reads it."""
+
+
+@dataclass(frozen=True)
+class Committed:
+    """A checkpoint's commit marker appeared at ``path``: the ledger scans the store."""
+
+    path: str
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Stop the run: the supervisor's own SIGTERM/SIGINT, or its lock lost."""
+
+
+@dataclass(frozen=True)
+class Tick:
+    """Nothing arrived before the wait's timeout: a duty is due, or the hang clock ran out."""

@@ -1,0 +1,117 @@
+"""What the tests share that is not a fixture: the fake worker's command and environment, the
+real supervisor run in this process or in its own, the live control folder, a polling wait.
+
+A module of its own, not ``conftest``: pytest imports conftest by its own rules (and a
+subprocess that must find ``fake_worker_cmd`` by import has to name a plain module); the
+fixtures stay in conftest.
+"""
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FAKE_WORKER = os.path.join(ROOT, "tests", "fakes", "fake_worker.py")
+
+# The Keras backends a guarantee is proven on: an end-to-end test marked ``@BOTH_BACKENDS``
+# runs once per backend, its job saying ``backend: <backend>`` (the ``backend`` fixture).
+BACKENDS = ("tensorflow", "jax")
+BOTH_BACKENDS = pytest.mark.parametrize("backend", BACKENDS)
+
+
+def fake_worker_cmd(spec, attempt):
+    return [sys.executable, FAKE_WORKER, spec.job_path, "--run-dir", spec.run_dir,
+            "--attempt", str(attempt)]
+
+
+def fake_standby_cmd(spec, attempt, mode):
+    return fake_worker_cmd(spec, attempt) + ["--standby", mode]
+
+
+def fake_env(plan: dict) -> dict:
+    import json
+
+    env = dict(os.environ, FAKE_PLAN=json.dumps(plan))
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def supervise(job, plan, out=None, standby=False):
+    """Run the real supervisor with the fake worker; return (rc, its output, journal events).
+    ``standby``: with the fake standby (else none, as with any custom worker command)."""
+    import io
+
+    from orchestrator.core.journal import Journal
+    from orchestrator.core.specload import load
+    from orchestrator.supervise.supervisor import Supervisor
+
+    out = out if out is not None else io.StringIO()
+    sup = Supervisor(load(job), worker_cmd=fake_worker_cmd, out=out, env=fake_env(plan),
+                     standby_cmd=fake_standby_cmd if standby else None)
+    rc = sup.run()
+    return rc, out.getvalue(), Journal(sup.rd.journal).events()
+
+
+def supervisor_process(job, plan):
+    """The real supervisor with the fake worker, in its own process (to signal or kill it)."""
+    code = ("import sys; sys.path.insert(0, %r); sys.path.insert(0, %r)\n"
+            "from helpers import fake_worker_cmd\n"
+            "from orchestrator.core.specload import load\n"
+            "from orchestrator.supervise.supervisor import Supervisor\n"
+            "sys.exit(Supervisor(load(%r), worker_cmd=fake_worker_cmd).run())\n"
+            % (os.path.join(ROOT, "tests"), ROOT, job))
+    return subprocess.Popen([sys.executable, "-c", code], env=fake_env(plan),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def live(job, run_dir) -> "RunDir":
+    """Where a running job's journal and heartbeat are written first (its local control folder,
+    mirrored to the run directory every 0.5 s): tests that act at a precise moment read here."""
+    from orchestrator.core.rundir import RunDir
+    from orchestrator.core.specload import load
+
+    return RunDir.for_spec(load(str(job), run_dir=str(run_dir)))
+
+
+def wait_until(cond, timeout=120, what="condition"):
+    """Poll ``cond`` until it gives something true (returned); an AssertionError naming
+    ``what`` after ``timeout`` s. For tests that act when a run reaches a moment."""
+    import time
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        got = cond()
+        if got:
+            return got
+        time.sleep(0.02)
+    raise AssertionError(f"{what} not met within {timeout} s")
+
+
+class FakeClock:
+    """A clock (core/clock.Clock's four methods) that moves only when told to: ``sleep`` and
+    ``wait`` move it at once, so a 5 s lease or a minute of backoff takes no real time. For
+    code driven from the test's own thread (a background thread waiting on it would spin)."""
+
+    def __init__(self, start: float = 1_000_000.0):
+        self.now = start
+        self.slept: list[float] = []  # every sleep and wait, in order
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def time(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds
+
+    def wait(self, event, seconds) -> bool:
+        if event.is_set():
+            return True
+        self.sleep(seconds or 0.0)
+        return event.is_set()
