@@ -364,7 +364,9 @@ def markdown(results: dict) -> str:
            f"n) of runs interleaved A B C A B C; ratios are medians of the ratios of runs made "
            f"side by side.",
            ""]
-    out += targets.targets_markdown(s)
+    tf_measured = "tensorflow" in results.get("backends", ["tensorflow"])
+    if tf_measured:
+        out += targets.targets_markdown(s)
     if s.get("jax"):
         out += targets.targets_markdown(s["jax"], targets.JAX)
         out += ["### TensorFlow and JAX side by side", "",
@@ -374,6 +376,8 @@ def markdown(results: dict) -> str:
                 "first run on a new VM does; its recoveries find the run's local cache "
                 "filled), medians with the ratios' min-max where there were repetitions. JAX's "
                 "details in section 5.", ""]
+    if not tf_measured:  # --backends jax: no TensorFlow section of empty tables
+        return "\n".join(out + _jax_markdown(results))
     out += ["### 1. Overhead with no faults", "", _overhead_table(s, results)]
     out += ["", "Wall = launch to exit of the command; the orchestrator's includes writing the "
             "model for inference at the end of the run (`export/`, by the last worker), which "

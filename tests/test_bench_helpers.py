@@ -502,6 +502,10 @@ def test_a_jax_part_is_summarised_beside_tensorflow_s_with_its_own_targets():
     assert "### TensorFlow and JAX side by side" in md and "### 5. JAX" in md
     assert "#### 5.4 The compile cache" in md and "| digits | 1 | 15.00 | 6.00 | 0.400x" in md
     assert "-> Keras on JAX imported" in md
-    del results["jax"]
+    results["backends"] = ["jax"]  # --backends jax: no TensorFlow tables, all empty
+    md = report.markdown(results)
+    assert "### Issue #12 targets" not in md and "### 1. Overhead" not in md
+    assert "### Issue #23 targets, JAX" in md and "#### 5.4 The compile cache" in md
+    del results["jax"], results["backends"]
     results["summary"] = report.summarise(results)
     assert "jax" not in results["summary"] and "### 5. JAX" not in report.markdown(results)
