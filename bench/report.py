@@ -250,7 +250,7 @@ def side_by_side(s: dict) -> list[list[str]]:
     for a, mode in (("standby_auto", "auto"), ("standby_off", "off")):
         row(f"kill -> next first step, ResNet-20 (goodput run), standby: {mode}",
             lambda x, a=a: _cell(arm(x, a).get("kill_to_first_step_s"),
-                                 arm(x, a).get("kill_ratio")))
+                                 arm(x, a).get("kill_ratio"), arm(x, a).get("kill_ratio_spread")))
     for a in targets.GOODPUT_ROWS:
         row(f"goodput, {targets.ARM_LABELS[a]}",
             lambda x, a=a: "-" if arm(x, a).get("goodput") is None else

@@ -118,6 +118,10 @@ def goodput_summary(goodput: dict) -> dict:
             "kill_to_first_step_s": median(x["total"] for k in kills for x in k),
             "kill_ratio": median(_of_cold_start(x["total"], (r.get("startup") or {}).get("total"))
                                  for r, k in zip(runs, kills) for x in k),
+            # each kill of the run is a repetition of the recovery: their min-max
+            "kill_ratio_spread": spread(_of_cold_start(x["total"],
+                                                       (r.get("startup") or {}).get("total"))
+                                        for r, k in zip(runs, kills) for x in k),
             "cold_start_s": median((r.get("startup") or {}).get("total") for r in runs),
             "steps_redone": median(breakdown.steps_redone(r["kills"]) for r in runs),
             "completed": all(r["rc"] == 0 for r in runs),
@@ -293,7 +297,7 @@ def goodput_markdown(s: dict, seed: int, mean_s: float, job: str,
             "(progress sampled at most 1 s before the kill: a lower bound). Final weights: "
             + ("each run against an uninterrupted run of the same kind (orchestrator; fit + "
                "BackupAndRestore)." if g.get("reference_run") else
-               "no uninterrupted run of this 2-minute job in this configuration (it would take "
+               "no uninterrupted run of this job in this configuration (it would take "
                "~5 more minutes; `--goodput-reference`), so the two orchestrator arms, killed "
                "at different steps, are checked against each other."), ""]
     for arm, x in g["arms"].items():

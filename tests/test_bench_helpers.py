@@ -303,6 +303,7 @@ def test_goodput_summary_counts_kills_warm_and_cold_and_checks_the_weights():
     assert a["goodput"] == pytest.approx(0.8) and a["kills"] == 3
     assert (a["warm"], a["cold"]) == (2, 1) and a["steps_redone"] == 6
     assert a["kill_to_first_step_s"] == 0.7 and a["kill_ratio"] == pytest.approx(0.7 / 8.0, abs=1e-3)
+    assert a["kill_ratio_spread"] == pytest.approx((0.5 / 8.0, 1.0), abs=1e-3)  # each kill
     assert a["fingerprint_equal"] == [None] and s["orchestrator_arms_agree"] is True
     lp = s["arms"]["restart_loop"]
     assert lp["kills"] == 3 and lp["warm"] is None and lp["goodput"] == pytest.approx(0.5)
@@ -488,6 +489,8 @@ def test_a_jax_part_is_summarised_beside_tensorflow_s_with_its_own_targets():
     assert rows["kill -> next first step, digits"]["target"] == "<= 0.10x cold start"
     assert rows["goodput, Keras fit + BackupAndRestore in a shell loop"]["measured"] == \
         "not measured"
+    assert report._cell(0.5, 0.1, (0.05, 0.2)) == "0.50 s (0.100x, 0.050-0.200x)"  # min-max
+    assert report._cell(0.5, 0.1, (0.1, 0.1)) == "0.50 s (0.100x)" and report._cell(None) == "-"
     side = {r[0]: r[1:] for r in report.side_by_side(s)}
     tf_cold = s["cold_start"]["digits/orchestrator"]["total"]
     assert side["cold start (launch -> first step), digits, orchestrator"] == [
