@@ -1,7 +1,13 @@
 """The benchmark: overhead, recovery time, goodput under kills and footprint of the orchestrator,
 side by side with a plain Keras script (with and without BackupAndRestore, and in a shell
-restart loop), on the digits job and a larger synthetic ResNet job. Run it with ``scripts/bench``
-(``--quick`` for a smoke run); it writes ``bench/results.{md,json}`` and BENCHMARKS.md.
+restart loop), on the digits job and a larger synthetic ResNet job, on TensorFlow and on JAX in
+one run. Run it with ``scripts/bench`` (``--quick`` for a smoke run; ``--backends`` to measure
+one backend); it writes ``bench/results.{md,json}`` and BENCHMARKS.md.
+
+Each backend's arms run beside the other's (``stats.side_by_side``): the machine's speed drifts
+from one hour to the next, so the two backends are compared on runs made minutes apart, never
+on two runs of the bench. TensorFlow's results stay where they were (``results["overhead"]``,
+...), JAX's are under ``results["jax"]``, in the same shape.
 """
 from __future__ import annotations
 
@@ -14,10 +20,11 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
 
+from orchestrator.core import backends as core_backends
 from orchestrator.core.kinds import Kind
 
 from . import arms, report
-from .stats import interleaved
+from .stats import side_by_side
 
 ARMS = ("orchestrator", "keras_fit_backup", "keras_fit")
 # The checkpoint writer side by side: background (``checkpoint.background: true``, the default,
@@ -27,10 +34,12 @@ SYNC_ARM, SYNC_JOBS = "orchestrator_sync", ("synthetic",)
 # The orchestrator with ``standby: off`` beside the default (auto): what checkpointing alone
 # costs, apart from the standby's warm-up on the cores the worker trains on.
 NOSTANDBY_ARM = "orchestrator_standby_off"
-PARTS = ("overhead", "goodput", "recovery", "standby")
+PARTS = ("overhead", "goodput", "recovery", "cache", "standby")
 # The standby section (kill -> first step, standby auto vs off) runs only when asked for: the
 # goodput and recovery sections now measure the same recoveries, side by side, on both jobs.
-DEFAULT_PARTS = ("overhead", "goodput", "recovery")
+# The compile cache's (JAX only) runs when JAX is measured.
+DEFAULT_PARTS = ("overhead", "goodput", "recovery", "cache")
+BACKENDS = (core_backends.TENSORFLOW, core_backends.JAX)
 
 
 @dataclass(frozen=True)
@@ -57,23 +66,43 @@ class Config:
     standby_kills: int = 1
     standby_synth_epochs: int = 0  # the synthetic ResNet too (0: not in this mode)
     seed: int = 20261202
+    # JAX (issue 23), beside TensorFlow: the arms its targets and figures need. Overhead: the
+    # orchestrator with standby: off (its cold start, the #12 training ratio) and fit +
+    # BackupAndRestore; the defaults' arm and plain fit are TensorFlow's only (the standby's
+    # warm-up cost is measured there, and a JAX cold start is 2-4x TensorFlow's: each JAX arm
+    # costs more than the TensorFlow one). Goodput: the standby on and off; not the shell
+    # loop, whose every restart compiles afresh (a plain script has no persistent compile
+    # cache: ResNet-20's cold start on JAX, 22-28 s measured for issue 23, is longer than the
+    # ~20 s between kills, so it would only run into its timeout).
+    jax_overhead_arms: tuple = ("orchestrator_standby_off", "keras_fit_backup")
+    jax_goodput_arms: tuple = ("standby_auto", "standby_off")
+    cache_jobs: tuple = ("digits", "synthetic")  # the compile cache, empty vs warm (JAX)
+    cache_reps: int = 1
 
 
-# FULL, timed on the 2 shared cores (a quiet hour, 2026-12-04): overhead 2.7 min (2 reps, down
-# from 3), goodput ~10 min (the three arms of a job with >= 2 minutes of training; the shell
-# loop alone ~4 min), recovery 0.75 min per standby setting: standby off (the cold side by
-# side, 1.13x / 0.99x for raise / hang) is left out for a minute of margin. Uninterrupted
-# runs of the goodput job (reference weights) would add ~5 min: --goodput-reference. The
-# standby comparison (--only standby) is left out: goodput measures kills with it on and off.
-FULL = Config("full", reps=2, digits_epochs=10, synth_examples=768, synth_epochs=6,
-              fault_steps=2500, fault_epochs=187, fault_modes=("auto",), fault_reps=1,
-              goodput_epochs=80, goodput_reps=1, goodput_timeout_s=420.0, kill_every_s=20.0,
+# FULL, timed on the 2 shared cores (a quiet hour, 2026-12-04), TensorFlow alone: overhead 2.7
+# min (2 reps, down from 3), goodput ~10 min (the three arms of a job with >= 2 minutes of
+# training; the shell loop alone ~4 min), recovery 0.75 min per standby setting: standby off
+# (the cold side by side, 1.13x / 0.99x for raise / hang) is left out for a minute of margin.
+# Uninterrupted runs of the goodput job (reference weights) would add ~5 min:
+# --goodput-reference. The standby comparison (--only standby) is left out: goodput measures
+# kills with it on and off.
+# With JAX beside it (issue 23; its arms above), the same config would take about 24 minutes
+# (JAX's arms cost about as much again as TensorFlow's: its cold start is 2-4x, and it adds
+# the compile cache's runs), so to stay near 15: the overhead runs once (reps 2 -> 1: -1.4
+# min for TensorFlow, -2 for JAX; its ratios lose their min-max), and the goodput job trains
+# 40 epochs, not 80 (about 1 minute of training; -5 min over the five goodput runs). The
+# goodput figures then count the first cold start twice as much (its column in the table):
+# compare them with 80-epoch runs only through that column.
+FULL = Config("full", reps=1, digits_epochs=10, synth_examples=768, synth_epochs=6,
+              fault_steps=2500, fault_epochs=187, fault_modes=("on",), fault_reps=1,
+              goodput_epochs=40, goodput_reps=1, goodput_timeout_s=420.0, kill_every_s=20.0,
               hang_timeout_s=6.0, synth_plain_fit=False, standby_epochs=60, standby_kills=2,
               standby_synth_epochs=16)
 QUICK = Config("quick", reps=1, digits_epochs=4, synth_examples=384, synth_epochs=3,
-               fault_steps=2500, fault_epochs=187, fault_modes=("auto",), fault_reps=1,
+               fault_steps=2500, fault_epochs=187, fault_modes=("on",), fault_reps=1,
                goodput_epochs=16, goodput_reps=1, goodput_timeout_s=240.0, kill_every_s=20.0,
-               hang_timeout_s=6.0)
+               hang_timeout_s=6.0, cache_jobs=("digits",))
 RESTARTS = {"max": 10, "backoff": {"initial": arms.RESTART_DELAY_S, "max": arms.RESTART_DELAY_S}}
 # What each recovery fault dies of, as the supervisor classifies it. The raised error is a
 # storage error (a Drive mount that dropped): its whole ladder is a plain restart, which
@@ -89,6 +118,16 @@ def fault_specs(cfg: Config) -> dict[str, str]:
     k = cfg.fault_steps
     return {"kill": f"kill@step={k}", "raise": f"raise={Kind.STORAGE}@step={2 * k}",
             "hang": f"hang@step={3 * k}"}
+
+
+def parse_backends(text: str) -> tuple:
+    """``tensorflow,jax`` -> ('tensorflow', 'jax'), in the order given, each once."""
+    names = tuple(dict.fromkeys(x.strip().lower() for x in text.split(",") if x.strip()))
+    wrong = [n for n in names if n not in BACKENDS]
+    if not names or wrong:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: name one or more of {', '.join(BACKENDS)}, comma-separated")
+    return names
 
 
 def say(msg: str) -> None:
@@ -153,46 +192,100 @@ def prepare_jobs(cfg: Config, work: str) -> dict[str, str]:
     return jobs
 
 
+def backend_jobs(jobs: dict, work: str, backend: str) -> dict:
+    """The bench's jobs on ``backend``: TensorFlow's as prepared (``backend: auto``, the arms'
+    ``KERAS_BACKEND`` saying which), a copy of each with ``backend: jax`` said in the job, so
+    the run's frozen spec and its training hash are JAX's whatever the shell says. JAX also
+    gets the compile cache's jobs: one epoch, ``standby: off`` (only the cold start counts)."""
+    if backend == core_backends.TENSORFLOW:
+        return jobs
+    out = {name: arms.prepare_job(path, os.path.join(work, f"jobs-{backend}", name),
+                                  {"backend": backend}) for name, path in jobs.items()}
+    for name in ("digits", "synthetic"):
+        out[f"cache_{name}"] = arms.prepare_job(
+            out[name], os.path.join(work, f"jobs-{backend}", f"cache_{name}"),
+            {"name": f"cache_{name}", "epochs": 1, "standby": "off"})
+    return out
+
+
+def overhead_arms(name: str, cfg: Config, backend: str) -> tuple:
+    if backend == core_backends.JAX:
+        return cfg.jax_overhead_arms
+    return ARMS[:1] + (NOSTANDBY_ARM,) + ((SYNC_ARM,) if name in SYNC_JOBS else ()) + (
+        ARMS[1:] if name == "digits" or cfg.synth_plain_fit else ARMS[1:2])
+
+
 def run_arm(arm: str, job: str, where: str, **kw) -> dict:
     if arm in ("orchestrator", SYNC_ARM, NOSTANDBY_ARM):
         return arms.run_orchestrator(job, where, **kw)
     return arms.run_keras(job, where, backup=arm != "keras_fit", **kw)
 
 
-def overhead(jobs: dict, cfg: Config, work: str) -> dict:
-    out = {}
+def _where(work: str, part: str, backend: str) -> str:
+    """TensorFlow's runs where they always were, another backend's beside them."""
+    return os.path.join(work, part if backend == core_backends.TENSORFLOW else f"{part}-{backend}")
+
+
+def overhead(jobs: dict, cfg: Config, work: str, backends: tuple) -> dict:
+    """Per backend, per job: every arm's runs, the backends' runs of an arm side by side."""
+    out: dict = {b: {} for b in backends}
     for name in ("digits", "synthetic"):
-        arms_here = ARMS[:1] + (NOSTANDBY_ARM,) + ((SYNC_ARM,) if name in SYNC_JOBS else ()) + (
-            ARMS[1:] if name == "digits" or cfg.synth_plain_fit else ARMS[1:2])
-        runs = {a: [] for a in arms_here}
-        for rep, arm in interleaved(arms_here, cfg.reps):
-            job = jobs[{SYNC_ARM: f"{name}_sync", NOSTANDBY_ARM: f"{name}_nostandby"}.get(
+        arms_by = {b: overhead_arms(name, cfg, b) for b in backends}
+        runs = {b: {a: [] for a in arms_by[b]} for b in backends}
+        for rep, b, arm in side_by_side(arms_by, cfg.reps):
+            job = jobs[b][{SYNC_ARM: f"{name}_sync", NOSTANDBY_ARM: f"{name}_nostandby"}.get(
                 arm, name)]
-            r = run_arm(arm, job, os.path.join(work, "overhead", name, f"{arm}-{rep}"))
-            runs[arm].append(r)
-            say(f"overhead {name} rep {rep + 1}/{cfg.reps} {arm}: rc {r['rc']}, "
-                f"{r['wall_s']:.2f} s wall, {r['train_s']} s training")
-        out[name] = runs
+            r = run_arm(arm, job, os.path.join(_where(work, "overhead", b), name,
+                                               f"{arm}-{rep}"), env=arms.backend_env(b))
+            runs[b][arm].append(r)
+            say(f"overhead {name} {b} rep {rep + 1}/{cfg.reps} {arm}: rc {r['rc']}, "
+                f"{r['wall_s']:.2f} s wall, {r['train_s']} s training, cold start "
+                f"{r['startup'].get('total')} s (trained on {r.get('backend')})")
+        for b in backends:
+            out[b][name] = runs[b]
     return out
 
 
-def recovery(jobs: dict, cfg: Config, work: str, faults: bool) -> dict:
+def recovery(jobs: dict, cfg: Config, work: str, faults: bool, backends: tuple) -> dict:
     """Kill, raised error and hang, each -> the next first step, in one digits run per standby
-    setting (side by side), each fault once a standby is warm behind the worker (auto)."""
+    setting (side by side), each fault once a standby is warm behind the worker (auto); per
+    backend, the backends' runs of a setting side by side."""
     if not faults:
         say("recovery: `orchestrator run --fault` is not in this version; skipped")
-        return {}
+        return {b: {} for b in backends}
     specs = fault_specs(cfg)
-    out = {"faults": specs, "kinds": FAULT_KINDS, "runs": {m: [] for m in cfg.fault_modes}}
+    out = {b: {"faults": specs, "kinds": FAULT_KINDS, "runs": {m: [] for m in cfg.fault_modes}}
+           for b in backends}
     args = tuple(x for spec in specs.values() for x in ("--fault", spec))
-    for rep, mode in interleaved(cfg.fault_modes, cfg.fault_reps):
-        r = arms.run_orchestrator(jobs[f"faults_{mode}"],
-                                  os.path.join(work, "recovery", f"{mode}-{rep}"),
-                                  extra_args=args)
-        out["runs"][mode].append(r)
+    for rep, b, mode in side_by_side({b: cfg.fault_modes for b in backends}, cfg.fault_reps):
+        r = arms.run_orchestrator(jobs[b][f"faults_{mode}"],
+                                  os.path.join(_where(work, "recovery", b), f"{mode}-{rep}"),
+                                  extra_args=args, env=arms.backend_env(b))
+        out[b]["runs"][mode].append(r)
         got = ", ".join(f"{x['kind']} {x['path']} {x['total']} s" for x in r["recoveries"])
-        say(f"recovery digits standby {mode} rep {rep + 1}: rc {r['rc']}, {r['wall_s']:.1f} s, "
-            f"cold start {r['startup'].get('total')} s; {got}")
+        say(f"recovery digits {b} standby {mode} rep {rep + 1}: rc {r['rc']}, "
+            f"{r['wall_s']:.1f} s, cold start {r['startup'].get('total')} s; {got}")
+    return out
+
+
+def compile_cache(jobs: dict, cfg: Config, work: str) -> dict:
+    """JAX's persistent compile cache: per job and repetition, a cold start into a new, empty
+    cache folder, then one with the folder that run filled (a new run directory: nothing comes
+    from the run's own mirror), side by side."""
+    out: dict = {"runs": {}}
+    for name in cfg.cache_jobs:
+        pairs = out["runs"][name] = []
+        for rep in range(cfg.cache_reps):
+            folder = os.path.join(work, "jax-compile-cache", f"{name}-{rep}")
+            pair = {}
+            for state in ("empty", "warm"):
+                r = arms.run_orchestrator(
+                    jobs[f"cache_{name}"], os.path.join(work, "cache-jax", f"{name}-{rep}-{state}"),
+                    env=arms.backend_env(core_backends.JAX, compile_cache=folder))
+                pair[state] = r
+                say(f"compile cache {name} rep {rep + 1} {state}: rc {r['rc']}, cold start "
+                    f"{r['startup'].get('total')} s, cache at start {r.get('compile_cache')}")
+            pairs.append(pair)
     return out
 
 
@@ -216,42 +309,50 @@ def standby(jobs: dict, cfg: Config, work: str) -> dict:
     return out
 
 
-def goodput(jobs: dict, cfg: Config, work: str) -> dict:
+def goodput(jobs: dict, cfg: Config, work: str, backends: tuple) -> dict:
     """The goodput job under a seeded SIGKILL every ~``kill_every_s`` until it ends, three arms
-    side by side: the orchestrator with the standby on and off, the shell loop + B&R."""
+    side by side: the orchestrator with the standby on and off, the shell loop + B&R; each
+    backend under the same schedule, its run of an arm beside the other's."""
     schedule = arms.kill_schedule(cfg.seed, cfg.kill_every_s, until_s=cfg.goodput_timeout_s)
-    out = {"schedule_s": schedule, "arms": {a: [] for a in GOODPUT_ARMS}, "reference": {}}
-    for rep, arm in interleaved(GOODPUT_ARMS, cfg.goodput_reps):
-        where = os.path.join(work, "goodput", f"{arm}-{rep}")
+    arms_by = {b: cfg.jax_goodput_arms if b == core_backends.JAX else GOODPUT_ARMS
+               for b in backends}
+    out = {b: {"schedule_s": schedule, "arms": {a: [] for a in arms_by[b]}, "reference": {}}
+           for b in backends}
+    for rep, b, arm in side_by_side(arms_by, cfg.goodput_reps):
+        where = os.path.join(_where(work, "goodput", b), f"{arm}-{rep}")
         plan = arms.KillPlan(offsets=schedule)
+        env = arms.backend_env(b)
         if arm == "restart_loop":
-            r = arms.run_keras(jobs["goodput_auto"], where, backup=True, loop=True,
+            r = arms.run_keras(jobs[b]["goodput_auto"], where, backup=True, loop=True,
                                loop_plan=plan, timeout=cfg.goodput_timeout_s,
-                               max_restarts=len(schedule))
+                               max_restarts=len(schedule), env=env)
         else:
-            r = arms.run_orchestrator(jobs[f"goodput_{arm.split('_')[1]}"], where, plan=plan,
-                                      timeout=cfg.goodput_timeout_s)
-        out["arms"][arm].append(r)
-        say(f"goodput {arm} rep {rep + 1}: rc {r['rc']}, {r['wall_s']:.1f} s wall, "
+            r = arms.run_orchestrator(jobs[b][f"goodput_{arm.split('_')[1]}"], where, plan=plan,
+                                      timeout=cfg.goodput_timeout_s, env=env)
+        out[b]["arms"][arm].append(r)
+        say(f"goodput {b} {arm} rep {rep + 1}: rc {r['rc']}, {r['wall_s']:.1f} s wall, "
             f"{r['useful_s']:.1f} s useful, {len(r['kills'])} kill(s), paths "
             f"{r.get('recovery_paths', '-')}")
     if cfg.goodput_reference:
-        out["reference"] = {
-            "orchestrator": arms.run_orchestrator(
-                jobs["goodput_auto"], os.path.join(work, "goodput", "reference-orchestrator"),
-                timeout=cfg.goodput_timeout_s),
-            "keras_fit_backup": arms.run_keras(
-                jobs["goodput_auto"], os.path.join(work, "goodput", "reference-fit"),
-                backup=True, timeout=cfg.goodput_timeout_s)}
-        say("goodput references: " + ", ".join(f"{k} rc {r['rc']} {r['wall_s']:.1f} s"
-                                              for k, r in out["reference"].items()))
+        for b in backends:
+            where, env = _where(work, "goodput", b), arms.backend_env(b)
+            out[b]["reference"] = {
+                "orchestrator": arms.run_orchestrator(
+                    jobs[b]["goodput_auto"], os.path.join(where, "reference-orchestrator"),
+                    timeout=cfg.goodput_timeout_s, env=env),
+                "keras_fit_backup": arms.run_keras(
+                    jobs[b]["goodput_auto"], os.path.join(where, "reference-fit"),
+                    backup=True, timeout=cfg.goodput_timeout_s, env=env)}
+            say(f"goodput references {b}: " + ", ".join(
+                f"{k} rc {r['rc']} {r['wall_s']:.1f} s" for k, r in out[b]["reference"].items()))
     return out
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="scripts/bench", description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true",
-                   help="a smoke run (about 4 minutes): one repetition, small jobs")
+                   help="a smoke run (about 4 minutes on TensorFlow alone; JAX beside it adds "
+                        "as much again): one repetition, small jobs")
     p.add_argument("--out", default=os.path.join(arms.ROOT, "bench"),
                    help="where results.md/json (quick.md/json with --quick) go")
     p.add_argument("--work", help="scratch directory for run dirs (default: a new temp dir)")
@@ -265,20 +366,37 @@ def main(argv=None) -> int:
     p.add_argument("--goodput-reference", action="store_true",
                    help="also run the goodput job uninterrupted (orchestrator and fit + "
                         "BackupAndRestore) to check the final weights (adds ~5 min)")
+    p.add_argument("--backends", type=parse_backends, default=BACKENDS,
+                   help="the Keras backends to measure, side by side in one run "
+                        "(default: tensorflow,jax)")
     args = p.parse_args(argv)
     parts = args.only or DEFAULT_PARTS
+    backends = args.backends
+    missing = [b for b in backends if not core_backends.installed(b)]
+    if missing:
+        rest = ",".join(b for b in backends if b not in missing)
+        p.error(f"--backends: {', '.join(missing)} not installed for {sys.executable} "
+                f"(install it, or measure {'--backends ' + rest if rest else 'another'})")
     cfg = QUICK if args.quick else FULL
     if args.goodput_reference:
         cfg = replace(cfg, goodput_reference=True)
     work = args.work or tempfile.mkdtemp(prefix="orchestrator-bench-")
     faults = faults_available()
-    jobs = prepare_jobs(cfg, work)
-    say(f"{cfg.mode} run in {work}; faults injection {'available' if faults else 'absent'}")
+    tf_jobs = prepare_jobs(cfg, work)
+    jobs = {b: backend_jobs(tf_jobs, work, b) for b in BACKENDS}
+    say(f"{cfg.mode} run in {work} on {', '.join(backends)}; faults injection "
+        f"{'available' if faults else 'absent'}")
     t0 = time.time()
-    subprocess.run([sys.executable, "-c", "import tensorflow"], capture_output=True)  # warm cache
+    for b in backends:  # the page cache warm for the first run of each
+        subprocess.run([sys.executable, "-c", f"import {core_backends.MODULES[b]}"],
+                       capture_output=True)
     results = {"config": asdict(cfg), "machine": report.machine(), "work_dir": work,
                "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t0)),
-               "faults_injection": faults, "jobs": {k: report.read_job(p) for k, p in jobs.items()}}
+               "faults_injection": faults, "backends": list(backends),
+               "jobs": {k: report.read_job(p) for k, p in tf_jobs.items()}}
+    if core_backends.JAX in backends:
+        results["jax"] = {"jobs": {k: report.read_job(p)
+                                   for k, p in jobs[core_backends.JAX].items()}}
     stem = ("quick" if args.quick else "results") + ("-" + "-".join(args.only) if args.only
                                                      else "")
     json_path = os.path.join(args.out, f"{stem}.json")
@@ -288,16 +406,23 @@ def main(argv=None) -> int:
         with open(json_path, "w", encoding="utf-8") as f:
             json.dump(results, f, indent=1, default=str)
 
+    def store(part: str, by_backend: dict) -> None:
+        """TensorFlow's part at the top level (as before JAX), JAX's under results["jax"]."""
+        results[part] = by_backend.get(core_backends.TENSORFLOW) or {}
+        if "jax" in results:
+            results["jax"][part] = by_backend.get(core_backends.JAX) or {}
+        save()
+
     if args.standby_only:
-        results["standby"] = standby(jobs, cfg, work)
+        results["standby"] = standby(tf_jobs, cfg, work)
         print(json.dumps(report.standby_summary(results), indent=1))
         return 0
-    results["overhead"] = overhead(jobs, cfg, work) if "overhead" in parts else {}
-    save()
-    results["goodput"] = goodput(jobs, cfg, work) if "goodput" in parts else {}
-    save()
-    results["recovery"] = recovery(jobs, cfg, work, faults) if "recovery" in parts else {}
-    results["standby"] = standby(jobs, cfg, work) if "standby" in parts else {}
+    store("overhead", overhead(jobs, cfg, work, backends) if "overhead" in parts else {})
+    store("goodput", goodput(jobs, cfg, work, backends) if "goodput" in parts else {})
+    store("recovery", recovery(jobs, cfg, work, faults, backends) if "recovery" in parts else {})
+    if "jax" in results and "cache" in parts:
+        results["jax"]["cache"] = compile_cache(jobs[core_backends.JAX], cfg, work)
+    results["standby"] = standby(tf_jobs, cfg, work) if "standby" in parts else {}
     results["machine"]["load_after"] = report.machine()["load"]
     save()
     summary = report.summarise(results)

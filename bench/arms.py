@@ -21,6 +21,7 @@ from orchestrator.core.journal import Journal
 from orchestrator.core.osutil import read_json
 from orchestrator.core.rundir import RunDir
 from orchestrator.core.specload import load
+from orchestrator.train.compile_cache import JAX_CACHE_ENV
 
 from . import breakdown, procs
 
@@ -178,14 +179,28 @@ def _peak(fps: dict) -> float | None:
     return max(vals) if vals else None
 
 
+def backend_env(backend: str, compile_cache: str | None = None, base: dict | None = None) -> dict:
+    """The environment of one arm on ``backend``: Keras's choice said outright (a job on
+    ``backend: auto`` and the plain script follow it, so a ``KERAS_BACKEND`` of the shell the
+    bench runs in must not turn a TensorFlow arm into a JAX one), and JAX's compile cache
+    folder only where the bench puts one: a ``JAX_COMPILATION_CACHE_DIR`` left in the shell
+    would be shared by every JAX run, and no cold start would start empty."""
+    env = dict(os.environ if base is None else base, KERAS_BACKEND=backend)
+    env.pop(JAX_CACHE_ENV, None)
+    if compile_cache is not None:
+        env[JAX_CACHE_ENV] = compile_cache
+    return env
+
+
 def run_orchestrator(job: str, run_dir: str, plan: KillPlan | None = None,
-                     extra_args: tuple = (), timeout: float = 300.0) -> dict:
+                     extra_args: tuple = (), timeout: float = 300.0,
+                     env: dict | None = None) -> dict:
     """``orchestrator run JOB`` to its end; the journal read into timings and a fingerprint."""
     os.makedirs(run_dir, exist_ok=True)
     watch = OrchestratorWatch(RunDir.for_spec(load(job, run_dir=run_dir)).control, plan)
     cmd = [sys.executable, "-m", "orchestrator", "run", job, "--run-dir", run_dir, *extra_args]
     fin = procs.run(cmd, os.path.join(run_dir, "..", os.path.basename(run_dir) + ".out"),
-                    cwd=ROOT, timeout=timeout, on_poll=watch)
+                    cwd=ROOT, env=env, timeout=timeout, on_poll=watch)
     events = watch.journal.events()
     ended = [e for e in events if e["event"] == "attempt_ended"]
     deaths = {k["attempt"]: k["ts"] for k in watch.kills}
@@ -222,6 +237,8 @@ def run_orchestrator(job: str, run_dir: str, plan: KillPlan | None = None,
                       "kind": e.get("kind")} for e in ended if e.get("exit_code") != 0],
         "kills": watch.kills,
         "checkpoints": breakdown.checkpoint_writes(events),
+        "backend": breakdown.backend_of(events),
+        "compile_cache": breakdown.compile_cache_at_start(events),
         "recoveries": [dict(breakdown.orchestrator_recovery(events, n, t), attempt=n,
                             **breakdown.recovery_labels(events, n))
                        for n, t in sorted(deaths.items())],
@@ -229,7 +246,8 @@ def run_orchestrator(job: str, run_dir: str, plan: KillPlan | None = None,
 
 
 def run_keras(job: str, work_dir: str, backup: bool, loop_plan: KillPlan | None = None,
-              loop: bool = False, timeout: float = 300.0, max_restarts: int = 10) -> dict:
+              loop: bool = False, timeout: float = 300.0, max_restarts: int = 10,
+              env: dict | None = None) -> dict:
     """The plain script once (``loop=False``) or in the shell restart loop, killed per plan."""
     os.makedirs(work_dir, exist_ok=True)
     events_path = os.path.join(work_dir, "events.jsonl")
@@ -238,8 +256,8 @@ def run_keras(job: str, work_dir: str, backup: bool, loop_plan: KillPlan | None 
         cmd += ["--backup-dir", os.path.join(work_dir, "backup")]
     if loop:
         cmd = [RESTART_LOOP, *cmd]
-    env = dict(os.environ, RESTART_DELAY=str(RESTART_DELAY_S), MAX_RESTARTS=str(max_restarts),
-               PYTHONUNBUFFERED="1")
+    env = dict(os.environ if env is None else env, RESTART_DELAY=str(RESTART_DELAY_S),
+               MAX_RESTARTS=str(max_restarts), PYTHONUNBUFFERED="1")
     watch = LoopWatch(events_path, loop_plan if loop else None)
     fin = procs.run(cmd, os.path.join(work_dir, "out.log"), cwd=ROOT, env=env, timeout=timeout,
                     on_poll=watch if loop else None)
@@ -250,6 +268,7 @@ def run_keras(job: str, work_dir: str, backup: bool, loop_plan: KillPlan | None 
         "rc": fin.rc, "timed_out": fin.timed_out, "wall_s": fin.wall_s, "useful_s": useful,
         "train_s": useful if not watch.kills else None,
         "fingerprint": breakdown.baseline_fingerprint(lines),
+        "backend": next((e.get("backend") for e in lines if e["event"] == "tf_imported"), None),
         "startup": breakdown.baseline_startup(lines, fin.launched),
         "peak_rss_mb": peak,
         "attempts": len({e["pid"] for e in lines}),

@@ -13,6 +13,16 @@ TensorFlow import, after the model is built, when training begins (after the bac
 at the first step, about once a second with the epoch and batch reached, at each epoch end, and
 at the end with the weights' fingerprint (``orchestrator.checkpoint.store.weights_fingerprint``, the
 function the orchestrator's manifests use).
+
+The backend is Keras's own choice (``KERAS_BACKEND``), as for a user's script: the bench runs it
+on TensorFlow and on JAX. On JAX it is what a Keras user on JAX writes: no TensorFlow import of
+its own and no ``enable_op_determinism`` (TensorFlow's; XLA on the CPU is deterministic), the
+same ``keras.utils.set_random_seed`` (which imports TensorFlow where it is installed: a user with
+both installed pays that; the orchestrator's JAX worker seeds without it) and
+``fit(shuffle=True)``, which on JAX draws each epoch's order from NumPy's global generator. No
+persistent compile cache either: a plain script does not set one, so every restart compiles.
+The ``tf_imported`` line marks the framework's import (Keras and JAX on JAX), as the
+orchestrator's worker journals it.
 """
 import argparse
 import importlib
@@ -75,11 +85,15 @@ def main():
         sys.exit(f"{args.job}: 'callbacks' and 'checkpoint.every_seconds' have no plain-Keras "
                  f"twin here; the baseline would train something else")
     import keras
-    import tensorflow as tf
 
-    emit("tf_imported")
+    backend = keras.backend.backend()
+    if backend == "tensorflow":
+        import tensorflow as tf
+    else:
+        import jax  # noqa: F401  (Keras imports it on JAX; the mark is the framework imported)
+    emit("tf_imported", backend=backend)
     keras.utils.set_random_seed(job.get("seed", 0))
-    if job.get("deterministic"):
+    if job.get("deterministic") and backend == "tensorflow":
         tf.config.experimental.enable_op_determinism()
     job_dir = os.path.dirname(os.path.abspath(args.job))
     load_data, data_args = factory(job["data"], job_dir)

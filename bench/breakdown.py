@@ -223,3 +223,17 @@ def checkpoint_writes(events: list[dict]) -> dict:
         "skipped_busy": sum(e["event"] == "checkpoint_skipped_busy" for e in events),
         "waited_ms": [e["wait_ms"] for e in events if e["event"] == "checkpoint_waited"],
     }
+
+
+def backend_of(events: list[dict]) -> str | None:
+    """The backend the run trained on, as its first worker journaled it (``worker_ready``): the
+    figures of a JAX arm are only JAX's if the run really trained on JAX."""
+    return next((e.get("backend") for e in events if e["event"] == "worker_ready"), None)
+
+
+def compile_cache_at_start(events: list[dict], attempt: int = 1) -> dict | None:
+    """The JAX compile cache ``attempt`` started with (``worker_ready.compile_cache``: its
+    folder, entries pulled from the run directory, entries already there), or None on
+    TensorFlow: what says an 'empty cache' cold start was empty and a 'warm' one was not."""
+    ready = _index(events).get(("worker_ready", attempt)) or {}
+    return ready.get("compile_cache")

@@ -42,7 +42,7 @@ def machine() -> dict:
         "memory_gib": round(mem_kb / 2**20, 1), "os": f"{platform.system()} {platform.release()}",
         "python": sys.version.split()[0],
         "tensorflow": _version("tensorflow-cpu", "tensorflow", "tensorflow-tpu"),
-        "keras": _version("keras"), "numpy": _version("numpy"),
+        "keras": _version("keras"), "numpy": _version("numpy"), "jax": _version("jax"),
         "load": [round(x, 2) for x in os.getloadavg()],
     }
 
@@ -79,13 +79,46 @@ def _ratio(runs: dict, a: str, b: str, key: str) -> float | None:
                                 [r[key] for r in runs.get(b, [])]))
 
 
-def summarise(results: dict) -> dict:
+def _orchestrator_runs(runs: dict) -> list[dict]:
+    """The runs a job's cold start, export and footprint are read from: the orchestrator with
+    its defaults, or with ``standby: off`` where a backend ran only that arm (the standby
+    starts after the first step, so the cold start is the same)."""
+    return runs.get("orchestrator") or runs.get("orchestrator_standby_off") or []
+
+
+def backend_view(results: dict, backend: str) -> dict:
+    """One backend's runs in the shape ``summarise`` reads: TensorFlow's at the top level (as
+    before the bench measured JAX), another backend's under its name, with its own jobs."""
+    part = results.get(backend) or {}
+    return dict(results, overhead=part.get("overhead") or {}, goodput=part.get("goodput") or {},
+                recovery=part.get("recovery") or {}, cache=part.get("cache") or {}, standby={},
+                jobs=part.get("jobs") or {}, **{backend: None})
+
+
+def backends_trained(results: dict) -> dict[str, int]:
+    """How many of one backend's runs trained on each backend, by their own word (the worker's
+    ``worker_ready``, the plain script's first line): a JAX figure is only JAX's if the run
+    trained on JAX, whatever the job or the environment said. None: no word (no first step)."""
+    runs = [r for job in (results.get("overhead") or {}).values() for rs in job.values()
+            for r in rs]
+    runs += [r for rs in ((results.get("goodput") or {}).get("arms") or {}).values() for r in rs]
+    runs += [r for rs in ((results.get("recovery") or {}).get("runs") or {}).values() for r in rs]
+    runs += [r for pairs in ((results.get("cache") or {}).get("runs") or {}).values()
+             for p in pairs for r in p.values()]
+    out: dict = {}
+    for r in runs:
+        out[str(r.get("backend"))] = out.get(str(r.get("backend")), 0) + 1
+    return out
+
+
+def summarise(results: dict, limits: targets.Limits = targets.TENSORFLOW) -> dict:
     s: dict = {"overhead": {}, "cold_start": {}, "recovery": {}, "footprint": {}}
     for job, runs in results["overhead"].items():
+        orch = _orchestrator_runs(runs)
         s["overhead"][job] = {
             **{f"{arm}_wall_s": median(r["wall_s"] for r in rs) for arm, rs in runs.items()},
             **{f"{arm}_train_s": median(r["train_s"] for r in rs) for arm, rs in runs.items()},
-            "orchestrator_export_s": median(r.get("export_s") for r in runs["orchestrator"]),
+            "orchestrator_export_s": median(r.get("export_s") for r in orch),
             "wall_ratio_vs_backup": _ratio(runs, "orchestrator", "keras_fit_backup", "wall_s"),
             "wall_ratio_vs_plain": _ratio(runs, "orchestrator", "keras_fit", "wall_s"),
             "backup_wall_ratio_vs_plain": _ratio(runs, "keras_fit_backup", "keras_fit", "wall_s"),
@@ -99,10 +132,9 @@ def summarise(results: dict) -> dict:
             "all_ok": all(r["rc"] == 0 for rs in runs.values() for r in rs),
         }
         s["cold_start"][f"{job}/orchestrator"] = breakdown.median_phases(
-            [r["startup"] for r in runs["orchestrator"]])
+            [r["startup"] for r in orch])
         s["cold_start"][f"{job}/keras_fit"] = breakdown.median_phases(
             [r["startup"] for a in ("keras_fit", "keras_fit_backup") for r in runs.get(a, [])])
-        orch = runs["orchestrator"]
         s["footprint"][job] = {
             "supervisor_peak_rss_mb": median(r["supervisor"]["peak_rss_mb"] for r in orch),
             "supervisor_cpu_s": median(r["supervisor"]["cpu_s"] for r in orch),
@@ -130,12 +162,111 @@ def summarise(results: dict) -> dict:
             s["recovery"][label] = dict(breakdown.median_phases(xs), n=len(xs))
     s["largest_recovery_cost"] = {m: _largest(s["recovery"], f"/kill, standby {m}")
                                   for m in ("auto", "off")}
-    s["faults"] = targets.fault_recoveries(rec, _hang_timeout(results))
+    s["faults"] = targets.fault_recoveries(rec, _hang_timeout(results), limits)
     s["goodput"] = targets.goodput_summary(g) if g.get("arms") else {}
     if results.get("standby"):
         s["standby"] = standby_summary(results)
-    s["targets"] = targets.target_rows(s)
+    s["targets"] = targets.target_rows(s, limits)
+    s["trained_on"] = backends_trained(results)
+    if results.get("jax"):
+        s["jax"] = summarise(backend_view(results, "jax"), targets.JAX)
+        s["jax"]["cache"] = cache_summary(results["jax"].get("cache") or {})
     return s
+
+
+def _cold(run: dict) -> float | None:
+    return (run.get("startup") or {}).get("total")
+
+
+def _entries(run: dict) -> int | None:
+    return (run.get("compile_cache") or {}).get("entries_at_start")
+
+
+def cache_summary(cache: dict) -> dict:
+    """Per job: JAX cold starts (launch -> first step) with an empty compile cache and with the
+    cache the empty run had just filled (the same folder, the next run), side by side; the
+    ratio warm / empty of each pair; and whether each pair was what it claims (the worker's
+    ``compile_cache.entries_at_start``: none in the empty run, some in the warm one)."""
+    out = {}
+    for job, pairs in (cache.get("runs") or {}).items():
+        empty, warm = [p["empty"] for p in pairs], [p["warm"] for p in pairs]
+        ratios = paired_ratios([_cold(r) for r in warm], [_cold(r) for r in empty])
+        entries = [(_entries(e), _entries(w)) for e, w in zip(empty, warm)]
+        out[job] = {
+            "n": len(pairs), "empty_s": median(_cold(r) for r in empty),
+            "empty_spread": spread(_cold(r) for r in empty),
+            "warm_s": median(_cold(r) for r in warm), "warm_spread": spread(_cold(r) for r in warm),
+            "ratio": median(ratios), "ratio_spread": spread(ratios),
+            "empty_phases": breakdown.median_phases([r.get("startup") or {} for r in empty]),
+            "warm_phases": breakdown.median_phases([r.get("startup") or {} for r in warm]),
+            "entries": entries,
+            "as_claimed": bool(entries) and all(e == 0 and (w or 0) > 0 for e, w in entries),
+            "all_ok": all(r["rc"] == 0 for r in empty + warm)}
+    return out
+
+
+def _cell(seconds: float | None, ratio: float | None = None, lo_hi=None) -> str:
+    """'0.15 s (0.040x)' with the ratio's min-max where there were repetitions, or '-'."""
+    if seconds is None:
+        return "-"
+    if ratio is None:
+        return f"{seconds:.2f} s"
+    rng = f", {lo_hi[0]:.3f}-{lo_hi[1]:.3f}x" if lo_hi and lo_hi[0] != lo_hi[1] else ""
+    return f"{seconds:.2f} s ({ratio:.3f}x{rng})"
+
+
+def side_by_side(s: dict) -> list[list[str]]:
+    """The figures of the two backends from one run, a row each: what, TensorFlow, JAX.
+    Recoveries are against each run's own cold start; on JAX that cold start compiles into an
+    empty cache (a first run), the recoveries find the run's local cache filled."""
+    by = {"tensorflow": s, "jax": s.get("jax") or {}}
+    rows = []
+
+    def row(what, get):
+        rows.append([what] + [get(x) for x in by.values()])
+
+    for job in ("digits", "synthetic"):
+        for arm, label in (("orchestrator", "orchestrator"), ("keras_fit", "plain fit")):
+            row(f"cold start (launch -> first step), {job}, {label}",
+                lambda x, k=f"{job}/{arm}": _cell(((x.get("cold_start") or {}).get(k) or {})
+                                                 .get("total")))
+    for job in ("digits", "synthetic"):
+        row(f"cold start with a warm compile cache, {job} (empty -> warm)",
+            lambda x, j=job: "-" if j not in (x.get("cache") or {}) else
+            f"{_cell(x['cache'][j]['empty_s'])} -> {_cell(x['cache'][j]['warm_s'])} "
+            f"({fmt_ratio(x['cache'][j]['ratio'])})")
+
+    def fault(x, key):
+        f = (x.get("faults") or {}).get(key) or {}
+        return _cell(f.get("total_s"), f.get("ratio"), f.get("ratio_spread"))
+
+    for key, what in (("kill/auto", "kill"), ("raise/auto", "raised error"),
+                      ("hang/auto", "hang (ratio beyond hang_timeout)")):
+        row(f"{what} -> next first step, digits, standby: auto", lambda x, k=key: fault(x, k))
+
+    def arm(x, a):
+        return ((x.get("goodput") or {}).get("arms") or {}).get(a) or {}
+
+    for a, mode in (("standby_auto", "auto"), ("standby_off", "off")):
+        row(f"kill -> next first step, ResNet-20 (goodput run), standby: {mode}",
+            lambda x, a=a: _cell(arm(x, a).get("kill_to_first_step_s"),
+                                 arm(x, a).get("kill_ratio"), arm(x, a).get("kill_ratio_spread")))
+    for a in targets.GOODPUT_ROWS:
+        row(f"goodput, {targets.ARM_LABELS[a]}",
+            lambda x, a=a: "-" if arm(x, a).get("goodput") is None else
+            f"{arm(x, a)['goodput']:.3f} ({fmt_s(arm(x, a)['kills'], 0)} kills)")
+    for job in ("digits", "synthetic"):
+        for key, mode in (("nostandby_train_ratio_vs_backup", "off"),
+                          ("train_ratio_vs_backup", "auto")):
+            row(f"fault-free training vs fit + BackupAndRestore, {job}, standby: {mode}",
+                lambda x, j=job, k=key: fmt_ratio(((x.get("overhead") or {}).get(j) or {})
+                                                  .get(k)))
+    row(targets.STALL_ROW, lambda x: next((r["measured"] for r in x.get("targets") or []
+                                           if r["what"] == targets.STALL_ROW), "-"))
+    row("runs, by the backend they trained on (their own word)",
+        lambda x: ", ".join(f"{k} {n}" for k, n in sorted((x.get("trained_on") or {}).items()))
+        or "-")
+    return rows
 
 
 def _hang_timeout(results: dict) -> float | None:
@@ -162,6 +293,10 @@ def standby_summary(results: dict) -> dict:
 
 
 WRITER_ARMS = (("orchestrator", "background"), ("orchestrator_sync", "in line"))
+# where a backend ran the orchestrator with standby: off only (JAX), its writer stands in
+WRITER_LABELS = (("orchestrator", "background"),
+                 ("orchestrator_standby_off", "background (standby: off)"),
+                 ("orchestrator_sync", "in line"))
 
 
 def _writer_figures(runs: dict) -> dict:
@@ -169,7 +304,10 @@ def _writer_figures(runs: dict) -> dict:
     ``checkpoint_written`` events) of each orchestrator arm, and the training-time ratios of
     the in-line arm where there is one (paired: same repetition)."""
     out: dict = {"stall_ms": {}}
-    for arm, _ in WRITER_ARMS:
+    arms = [a for a, _ in WRITER_ARMS]
+    if "orchestrator" not in runs:
+        arms[0] = "orchestrator_standby_off"
+    for arm in arms:
         if arm not in runs:
             continue
         every = [x for r in runs[arm] for x in (r.get("checkpoints") or {}).get("stall_ms", [])]
@@ -213,7 +351,8 @@ def markdown(results: dict) -> str:
     out = [f"Measured {results['started']} ({cfg['mode']} run, {results['duration_s']:.0f} s) "
            f"on {m['cpu']}, {m['usable_cores']} of {m['cores']} cores usable, "
            f"{m['memory_gib']} GiB, {m['os']}; Python {m['python']}, {m['tensorflow']}, "
-           f"{m['keras']}, {m['numpy']}. Load average before/after: {m['load']} / "
+           f"{m['keras']}, {m['numpy']}{', ' + m['jax'] if m.get('jax') else ''}. "
+           f"Load average before/after: {m['load']} / "
            f"{m.get('load_after')}.",
            "",
            f"Jobs: **digits** (`jobs/digits` as committed: small CNN with BatchNormalization "
@@ -225,23 +364,21 @@ def markdown(results: dict) -> str:
            f"n) of runs interleaved A B C A B C; ratios are medians of the ratios of runs made "
            f"side by side.",
            ""]
-    out += targets.targets_markdown(s)
-    out += ["### 1. Overhead with no faults", ""]
-    rows = []
-    for job, o in s["overhead"].items():
-        runs = results["overhead"][job]
-        rows.append([job] + [fmt_median([r["wall_s"] for r in runs.get(a, [])])
-                             for a in ("orchestrator", "keras_fit_backup", "keras_fit")]
-                    + [fmt_s(o["orchestrator_export_s"])]
-                    + [fmt_ratio(o["wall_ratio_vs_backup"]), fmt_ratio(o["wall_ratio_vs_plain"]),
-                       fmt_ratio(o["train_ratio_vs_backup"]), fmt_ratio(o["train_ratio_vs_plain"]),
-                       fmt_ratio(o.get("nostandby_train_ratio_vs_backup"))])
-    out.append(md_table(["job", "orchestrator run (s)", "Keras fit + BackupAndRestore (s)",
-                         "Keras fit, no checkpoint (s)",
-                         "of the orchestrator's: final export (s)", "wall: orch / fit+B&R",
-                         "wall: orch / fit", "training: orch / fit+B&R",
-                         "training: orch / fit",
-                         "training: orch with standby: off / fit+B&R"], rows))
+    tf_measured = "tensorflow" in results.get("backends", ["tensorflow"])
+    if tf_measured:
+        out += targets.targets_markdown(s)
+    if s.get("jax"):
+        out += targets.targets_markdown(s["jax"], targets.JAX)
+        out += ["### TensorFlow and JAX side by side", "",
+                md_table(["", "TensorFlow", "JAX"], side_by_side(s)), "",
+                "One run, the two backends' arms interleaved; each recovery against its own "
+                "run's cold start (a JAX cold start compiles into an empty compile cache, as a "
+                "first run on a new VM does; its recoveries find the run's local cache "
+                "filled), medians with the ratios' min-max where there were repetitions. JAX's "
+                "details in section 5.", ""]
+    if not tf_measured:  # --backends jax: no TensorFlow section of empty tables
+        return "\n".join(out + _jax_markdown(results))
+    out += ["### 1. Overhead with no faults", "", _overhead_table(s, results)]
     out += ["", "Wall = launch to exit of the command; the orchestrator's includes writing the "
             "model for inference at the end of the run (`export/`, by the last worker), which "
             "the plain scripts do not do. Training = first step to the last "
@@ -258,14 +395,7 @@ def markdown(results: dict) -> str:
     out += _writer_markdown(s, results)
 
     out += ["### 2. Recovery time, broken down (seconds, medians)", ""]
-    cols = list(breakdown.POINTS) + ["total"]
-    rows = []
-    for label, ph in s["recovery"].items():
-        rows.append([f"{label} (n={ph['n']})"] + [fmt_s(ph.get(k)) for k in cols])
-    for label, ph in s["cold_start"].items():
-        rows.append([f"cold start: {label}"] + [fmt_s(ph.get(k)) for k in cols])
-    out.append(md_table(["fault"] + [breakdown.LABELS[k] for k in breakdown.POINTS]
-                        + ["total (to first step)"], rows))
+    out.append(_breakdown_table(s))
     big = s.get("largest_recovery_cost") or {}
     out += ["", "Each cell is the time from the previous measured point. Death = the SIGKILL "
             "(kill), the error record's time (raised error), the last heartbeat (hang). After a "
@@ -303,9 +433,14 @@ def markdown(results: dict) -> str:
                                     f"`jobs/cifar10_resnet` ResNet-20, {cfg['synth_examples']} "
                                     f"synthetic images, {describe_job(gjob)}" if gjob else "-",
                                     gjob.get("epochs") if gjob else None)
-    if not s["footprint"]:
-        return "\n".join(out)
-    out += ["### 4. Footprint of the supervisor", ""]
+    if s["footprint"]:
+        out += _footprint_markdown(s)
+    out += _jax_markdown(results)
+    return "\n".join(out)
+
+
+def _footprint_markdown(s: dict) -> list[str]:
+    out = ["### 4. Footprint of the supervisor", ""]
     rows = [[job, fmt_s(f["supervisor_peak_rss_mb"], 1), fmt_s(f["supervisor_cpu_s"]),
              fmt_pct(f["supervisor_cpu_share"]), fmt_s(f["wall_s"], 1),
              fmt_s(f["worker_peak_rss_mb"], 0), fmt_s(f["keras_fit_peak_rss_mb"], 0)]
@@ -315,7 +450,100 @@ def markdown(results: dict) -> str:
                          "plain script peak RSS (MiB)"], rows))
     out += ["", "Peak RSS = VmHWM and CPU = utime + stime from /proc, sampled every 0.1 s "
             "until the process exits.", ""]
-    return "\n".join(out)
+    return out
+
+
+def _jax_markdown(results: dict) -> list[str]:
+    """Section 5: JAX's own tables (the same jobs with ``backend: jax``, run beside
+    TensorFlow's), and the compile cache's effect on a cold start."""
+    sj = (results.get("summary") or {}).get("jax")
+    if not sj:
+        return []
+    view, cfg = backend_view(results, "jax"), results["config"]
+    out = ["### 5. JAX", "",
+           "The same jobs with `backend: jax`, the plain script with `KERAS_BACKEND=jax` "
+           "(`keras.utils.set_random_seed`, which imports TensorFlow where it is installed, "
+           "and `fit(shuffle=True)`, NumPy's order; no persistent compile cache), each run "
+           "beside its TensorFlow twin. Only the arms the targets need run on JAX (see the "
+           "config's comments in `bench/__main__.py`).", ""]
+    if sj["overhead"]:
+        out += ["#### 5.1 Overhead with no faults (JAX)", "",
+                _overhead_table(sj, view, "orchestrator_standby_off",
+                                "orchestrator, standby: off (s)"), ""]
+        out += _writer_markdown(sj, view)[2:]  # its table, without section 1b's title
+    out += ["#### 5.2 Recovery time, broken down (JAX; seconds, medians)", "",
+            _breakdown_table(sj, dict(breakdown.LABELS, tf_imported="-> Keras on JAX imported")),
+            "", "The plain script's `set_random_seed` imports TensorFlow (installed here) "
+            "after this mark: on JAX it lands in 'strategy, data, model built'. Compiling "
+            "lands in '-> first step done'.", ""]
+    out += targets.faults_markdown(sj, _hang_timeout(view))
+    gjob = view["jobs"].get("goodput_auto")
+    out += targets.goodput_markdown(
+        sj, cfg["seed"], cfg.get("kill_every_s", 20.0),
+        f"`jobs/cifar10_resnet` ResNet-20, {cfg['synth_examples']} synthetic images, "
+        f"{describe_job(gjob)}, `backend: jax`" if gjob else "-",
+        gjob.get("epochs") if gjob else None,
+        title="#### 5.3 Goodput under the same SIGKILL schedule (JAX)")
+    out += _cache_markdown(sj.get("cache") or {})
+    return out
+
+
+def _cache_markdown(cache: dict) -> list[str]:
+    if not cache:
+        return []
+    rows = []
+    for job, c in cache.items():
+        ratio = fmt_ratio(c["ratio"]) + (
+            f" ({c['ratio_spread'][0]:.3f}-{c['ratio_spread'][1]:.3f}x)" if c["n"] > 1 else "")
+        rows.append([job, c["n"], fmt_s(c["empty_s"]), fmt_s(c["warm_s"]), ratio,
+                     f"{fmt_s(c['empty_phases'].get('first_step'))} / "
+                     f"{fmt_s(c['warm_phases'].get('first_step'))}",
+                     ", ".join(f"{e} / {w}" for e, w in c["entries"]),
+                     fmt_yes(c["as_claimed"]), fmt_yes(c["all_ok"])])
+    return ["#### 5.4 The compile cache: a JAX cold start, empty cache vs warm", "",
+            md_table(["job", "n", "cold start, empty cache (s)", "cold start, warm cache (s)",
+                      "warm / empty (paired)", "-> first step done, empty / warm (s)",
+                      "entries at start, empty / warm", "caches as claimed", "all rc 0"],
+                     rows), "",
+            "Each pair: a 1-epoch run of the job with `standby: off` and "
+            "`JAX_COMPILATION_CACHE_DIR` set to a new folder, then the same job in a new run "
+            "directory with the same folder, which the first run filled (a VM whose local "
+            "disk kept the cache; a recycled VM pulls it from the run directory first). "
+            "Cold start = launch -> first step; entries at start = the worker's "
+            "`worker_ready.compile_cache.entries_at_start`.", ""]
+
+
+def _overhead_table(s: dict, results: dict, orch: str = "orchestrator",
+                    orch_label: str = "orchestrator run (s)") -> str:
+    """Section 1's table: wall times of each arm per job and the paired ratios (``orch``: the
+    orchestrator arm whose wall is shown, on JAX the one with ``standby: off``)."""
+    rows = []
+    for job, o in s["overhead"].items():
+        runs = results["overhead"][job]
+        rows.append([job] + [fmt_median([r["wall_s"] for r in runs.get(a, [])])
+                             for a in (orch, "keras_fit_backup", "keras_fit")]
+                    + [fmt_s(o["orchestrator_export_s"])]
+                    + [fmt_ratio(o["wall_ratio_vs_backup"]), fmt_ratio(o["wall_ratio_vs_plain"]),
+                       fmt_ratio(o["train_ratio_vs_backup"]), fmt_ratio(o["train_ratio_vs_plain"]),
+                       fmt_ratio(o.get("nostandby_train_ratio_vs_backup"))])
+    return md_table(["job", orch_label, "Keras fit + BackupAndRestore (s)",
+                     "Keras fit, no checkpoint (s)",
+                     "of the orchestrator's: final export (s)", "wall: orch / fit+B&R",
+                     "wall: orch / fit", "training: orch / fit+B&R",
+                     "training: orch / fit",
+                     "training: orch with standby: off / fit+B&R"], rows)
+
+
+def _breakdown_table(s: dict, labels: dict = breakdown.LABELS) -> str:
+    """Section 2's table: each recovery and cold start, phase by phase (medians)."""
+    cols = list(breakdown.POINTS) + ["total"]
+    rows = []
+    for label, ph in s["recovery"].items():
+        rows.append([f"{label} (n={ph['n']})"] + [fmt_s(ph.get(k)) for k in cols])
+    for label, ph in s["cold_start"].items():
+        rows.append([f"cold start: {label}"] + [fmt_s(ph.get(k)) for k in cols])
+    return md_table(["fault"] + [labels[k] for k in breakdown.POINTS]
+                    + ["total (to first step)"], rows)
 
 
 def update_benchmarks(path: str, md: str) -> None:
@@ -338,13 +566,15 @@ def _writer_markdown(s: dict, results: dict) -> list[str]:
     against in line, and the training time of each against fit + BackupAndRestore."""
     rows = []
     for job, o in s["overhead"].items():
-        for arm, label in WRITER_ARMS:
+        for arm, label in WRITER_LABELS:
             st = o.get("stall_ms", {}).get(arm)
             if not st or not st["n"]:
                 continue
             ratios = (o.get("train_ratios_vs_backup") or {}).get(arm)
             if ratios is None and arm == "orchestrator":
                 ratio = fmt_ratio(o["train_ratio_vs_backup"])
+            elif ratios is None and arm == "orchestrator_standby_off":
+                ratio = fmt_ratio(o.get("nostandby_train_ratio_vs_backup"))
             elif not ratios:
                 ratio = "-"
             else:

@@ -69,3 +69,15 @@ def md_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
              "|" + "|".join("---" for _ in headers) + "|"]
     lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def side_by_side(arms_by_backend: dict[str, Sequence[str]],
+                 reps: int) -> list[tuple[int, str, str]]:
+    """The run order with several backends: per repetition, each arm on every backend that
+    runs it, one after the other (TF A, JAX A, TF B, JAX B, TF C, ...), so that the two runs
+    compared across backends are neighbours in time, as the arms of one backend are."""
+    order: list[str] = []
+    for arms in arms_by_backend.values():
+        order += [a for a in arms if a not in order]
+    return [(rep, backend, arm) for rep in range(reps) for arm in order
+            for backend, arms in arms_by_backend.items() if arm in arms]

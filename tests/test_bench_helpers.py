@@ -303,6 +303,7 @@ def test_goodput_summary_counts_kills_warm_and_cold_and_checks_the_weights():
     assert a["goodput"] == pytest.approx(0.8) and a["kills"] == 3
     assert (a["warm"], a["cold"]) == (2, 1) and a["steps_redone"] == 6
     assert a["kill_to_first_step_s"] == 0.7 and a["kill_ratio"] == pytest.approx(0.7 / 8.0, abs=1e-3)
+    assert a["kill_ratio_spread"] == pytest.approx((0.5 / 8.0, 1.0), abs=1e-3)  # each kill
     assert a["fingerprint_equal"] == [None] and s["orchestrator_arms_agree"] is True
     lp = s["arms"]["restart_loop"]
     assert lp["kills"] == 3 and lp["warm"] is None and lp["goodput"] == pytest.approx(0.5)
@@ -358,3 +359,156 @@ def test_the_last_error_of_a_plain_script_s_log(tmp_path):
     log.write_text("Epoch 1/80\nall fine\n")
     assert arms.last_error(str(log)) is None
     assert arms.last_error(str(tmp_path / "absent.log")) is None
+
+
+def test_backends_side_by_side_run_each_arm_on_both_before_the_next_arm():
+    """The two backends' runs of an arm are neighbours in time; an arm one backend does not
+    run is run once; the order repeats per repetition."""
+    order = stats.side_by_side({"tensorflow": ["A", "B", "C"], "jax": ["B", "C"]}, 2)
+    assert order[:5] == [(0, "tensorflow", "A"), (0, "tensorflow", "B"), (0, "jax", "B"),
+                         (0, "tensorflow", "C"), (0, "jax", "C")]
+    assert order[5:] == [(1, b, a) for _, b, a in order[:5]]
+    assert stats.side_by_side({"jax": ["X"]}, 1) == [(0, "jax", "X")]
+
+
+def test_parse_backends_keeps_the_order_given_and_refuses_unknown_names():
+    import argparse
+
+    from bench.__main__ import parse_backends
+
+    assert parse_backends("tensorflow,jax") == ("tensorflow", "jax")
+    assert parse_backends(" JAX , jax") == ("jax",)
+    for bad in ("torch", "", "jax,torch"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_backends(bad)
+
+
+def test_each_arm_says_its_backend_and_only_the_bench_s_compile_cache():
+    """A shell's KERAS_BACKEND must not turn a TensorFlow arm into a JAX one, nor a shell's
+    JAX_COMPILATION_CACHE_DIR make every JAX cold start warm."""
+    shell = {"PATH": "/bin", "KERAS_BACKEND": "jax", "JAX_COMPILATION_CACHE_DIR": "/shared"}
+    tf = arms.backend_env("tensorflow", base=shell)
+    assert tf["KERAS_BACKEND"] == "tensorflow" and "JAX_COMPILATION_CACHE_DIR" not in tf
+    assert tf["PATH"] == "/bin" and shell["KERAS_BACKEND"] == "jax"  # the shell's left alone
+    jx = arms.backend_env("jax", compile_cache="/bench/c", base=shell)
+    assert jx["KERAS_BACKEND"] == "jax" and jx["JAX_COMPILATION_CACHE_DIR"] == "/bench/c"
+
+
+def test_the_backend_and_compile_cache_a_run_started_with_come_from_its_journal(journal):
+    assert breakdown.backend_of(journal) is None  # a journal from before JAX: no word
+    assert breakdown.compile_cache_at_start(journal) is None
+    ev = [dict(e) for e in journal]
+    ready = [e for e in ev if e["event"] == "worker_ready"]
+    ready[0].update(backend="jax", compile_cache={"dir": "/c", "pulled": 0,
+                                                  "entries_at_start": 0})
+    ready[1].update(backend="jax", compile_cache={"dir": "/c", "pulled": 0,
+                                                  "entries_at_start": 7})
+    assert breakdown.backend_of(ev) == "jax"
+    assert breakdown.compile_cache_at_start(ev)["entries_at_start"] == 0
+    assert breakdown.compile_cache_at_start(ev, attempt=2)["entries_at_start"] == 7
+
+
+def _cache_run(cold, entries, rc=0):
+    return {"rc": rc, "startup": {"total": cold, "first_step": cold - 3.0},
+            "compile_cache": None if entries is None else {"entries_at_start": entries}}
+
+
+def test_compile_cache_summary_pairs_an_empty_cold_start_with_a_warm_one():
+    cache = {"runs": {"digits": [{"empty": _cache_run(15.0, 0), "warm": _cache_run(6.0, 12)},
+                                 {"empty": _cache_run(12.0, 0), "warm": _cache_run(6.0, 12)}],
+                      "synthetic": [{"empty": _cache_run(25.0, 3), "warm": _cache_run(5.0, 40)}]}}
+    c = report.cache_summary(cache)
+    d = c["digits"]
+    assert (d["empty_s"], d["warm_s"], d["n"]) == (13.5, 6.0, 2)
+    assert d["ratio"] == pytest.approx((0.4 + 0.5) / 2)  # paired: 6/15 and 6/12
+    assert d["ratio_spread"] == pytest.approx((0.4, 0.5))
+    assert d["empty_phases"]["first_step"] == 10.5 and d["as_claimed"] and d["all_ok"]
+    assert d["entries"] == [(0, 12), (0, 12)]
+    assert not c["synthetic"]["as_claimed"]  # its 'empty' cache was not empty
+    assert report.cache_summary({}) == {}
+
+
+def test_jax_targets_are_issue_23_s_on_the_same_rows():
+    rec = {"faults": {}, "kinds": {"kill": "killed", "raise": "storage", "hang": "hang"},
+           "runs": {"auto": [_orch_run(10.0, [("killed", 0.8, "warm"), ("storage", 1.5, "warm"),
+                                              ("hang", 6.5, "warm")])]}}
+    tf, jx = (targets.fault_recoveries(rec, 6.0, lim) for lim in (targets.TENSORFLOW,
+                                                                   targets.JAX))
+    assert tf["kill/auto"]["passed"] and jx["kill/auto"]["passed"]  # 0.08x
+    assert tf["raise/auto"]["passed"] and not jx["raise/auto"]["passed"]  # 0.15x
+    assert jx["hang/auto"]["target"] == 0.10 and jx["hang/auto"]["passed"]  # 0.05x beyond
+    g = targets.goodput_summary({"schedule_s": (20.0,), "arms": {"standby_auto": [_orch_run(
+        10.0, [("killed", 0.8, "warm")], wall=100.0, useful=85.0)]}})
+    rows = {lim.title: {r["what"]: r for r in targets.target_rows(
+        {"faults": f, "goodput": g}, lim)} for lim, f in ((targets.TENSORFLOW, tf),
+                                                         (targets.JAX, jx))}
+    auto = "goodput, orchestrator, standby: auto"
+    assert rows["Issue #12 targets"][auto]["passed"] is True  # 0.85 >= 0.75
+    assert rows["Issue #23 targets, JAX"][auto]["passed"] is False  # 0.85 < 0.90
+    assert rows["Issue #23 targets, JAX"][auto]["target"] == ">= 0.90"
+    md = "\n".join(targets.targets_markdown(
+        {"targets": list(rows["Issue #23 targets, JAX"].values())}, targets.JAX))
+    assert md.startswith("### Issue #23 targets, JAX") and "<= 0.10x cold start" in md
+
+
+def _jax_part(results):
+    """The fixture's TensorFlow runs standing in for JAX's, with JAX's arms: overhead with
+    standby: off and fit + B&R, goodput with the standby on and off, a compile-cache pair."""
+    import copy
+
+    tf = copy.deepcopy(results)
+    for r in [r for job in tf["overhead"].values() for rs in job.values() for r in rs] + [
+            r for rs in tf["goodput"]["arms"].values() for r in rs]:
+        r["backend"] = "jax"
+    over = {job: {"orchestrator_standby_off": [dict(runs["orchestrator"][0], train_s=9.0,
+                                                    startup={"total": 20.0})],
+                  "keras_fit_backup": [dict(runs["keras_fit_backup"][0], train_s=10.0)]}
+            for job, runs in tf["overhead"].items()}
+    good = dict(tf["goodput"], arms={a: tf["goodput"]["arms"][a]
+                                     for a in ("standby_auto", "standby_off")})
+    cache = {"runs": {"digits": [{"empty": dict(_cache_run(15.0, 0), backend="jax"),
+                                  "warm": dict(_cache_run(6.0, 12), backend="jax")}]}}
+    return {"jobs": tf["jobs"], "overhead": over, "goodput": good, "recovery": tf["recovery"],
+            "cache": cache}
+
+
+def test_a_jax_part_is_summarised_beside_tensorflow_s_with_its_own_targets():
+    with open(os.path.join(FIXTURES, "results.json")) as f:
+        results = json.load(f)
+    results["jax"] = _jax_part(results)
+    s = report.summarise(results)
+    assert len(s["targets"]) == 12  # TensorFlow's table as it was
+    j = s["jax"]
+    assert j["cold_start"]["digits/orchestrator"]["total"] == 20.0  # from standby: off's run
+    assert j["overhead"]["digits"]["nostandby_train_ratio_vs_backup"] == pytest.approx(0.9)
+    assert j["overhead"]["digits"]["train_ratio_vs_backup"] is None  # no default arm on JAX
+    assert "orchestrator_standby_off" in j["overhead"]["synthetic"]["stall_ms"]
+    assert j["trained_on"] == {"jax": 8, "None": 1}  # the recovery run has no word (fixture)
+    assert j["cache"]["digits"]["ratio"] == pytest.approx(0.4)
+    rows = {r["what"]: r for r in j["targets"]}
+    assert rows["kill -> next first step, digits"]["target"] == "<= 0.10x cold start"
+    assert rows["goodput, Keras fit + BackupAndRestore in a shell loop"]["measured"] == \
+        "not measured"
+    assert report._cell(0.5, 0.1, (0.05, 0.2)) == "0.50 s (0.100x, 0.050-0.200x)"  # min-max
+    assert report._cell(0.5, 0.1, (0.1, 0.1)) == "0.50 s (0.100x)" and report._cell(None) == "-"
+    side = {r[0]: r[1:] for r in report.side_by_side(s)}
+    tf_cold = s["cold_start"]["digits/orchestrator"]["total"]
+    assert side["cold start (launch -> first step), digits, orchestrator"] == [
+        f"{tf_cold:.2f} s", "20.00 s"]
+    assert side["cold start with a warm compile cache, digits (empty -> warm)"] == [
+        "-", "15.00 s -> 6.00 s (0.400x)"]
+    assert side["fault-free training vs fit + BackupAndRestore, digits, standby: off"][1] == \
+        "0.900x"
+    results["summary"] = s
+    md = report.markdown(results)
+    assert md.count("### Issue #12 targets") == 1 and "### Issue #23 targets, JAX" in md
+    assert "### TensorFlow and JAX side by side" in md and "### 5. JAX" in md
+    assert "#### 5.4 The compile cache" in md and "| digits | 1 | 15.00 | 6.00 | 0.400x" in md
+    assert "-> Keras on JAX imported" in md
+    results["backends"] = ["jax"]  # --backends jax: no TensorFlow tables, all empty
+    md = report.markdown(results)
+    assert "### Issue #12 targets" not in md and "### 1. Overhead" not in md
+    assert "### Issue #23 targets, JAX" in md and "#### 5.4 The compile cache" in md
+    del results["jax"], results["backends"]
+    results["summary"] = report.summarise(results)
+    assert "jax" not in results["summary"] and "### 5. JAX" not in report.markdown(results)
