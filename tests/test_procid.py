@@ -1,0 +1,88 @@
+"""A journaled pid is signalled only while it is still the process we started (core/procid.py)."""
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from orchestrator.core.procid import ProcessIdentity, boot_id, signal_proven
+
+
+@pytest.fixture
+def bystander():
+    """A plain process that leads its own group, as a stranger holding a reused pid would."""
+    p = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    yield p
+    if p.poll() is None:
+        p.kill()
+    p.wait()
+
+
+def _identity(p):
+    """As a spawn takes it: the command line may read empty a moment after exec."""
+    return ProcessIdentity.of(p.pid, settle_s=1.0)
+
+
+def test_a_live_process_is_itself(bystander):
+    me = _identity(bystander)
+    assert me is not None and me.cmdline == ("sleep", "600") and me.boot_id == boot_id()
+    assert me.differs() is None and me.matches()
+    assert ProcessIdentity.from_record(me.pid, me.record()) == me
+
+
+def test_another_start_time_is_another_process(bystander):
+    me = _identity(bystander)
+    other = dataclasses.replace(me, start_ticks=me.start_ticks - 7)
+    assert "is another process now: started at tick" in other.differs()
+    assert not other.matches()
+
+
+def test_another_command_line_is_another_process(bystander):
+    other = dataclasses.replace(_identity(bystander),
+                                cmdline=(sys.executable, "-m", "orchestrator.train.worker"))
+    assert "runs another command line: 'sleep 600'" in other.differs()
+
+
+def test_another_boot_is_another_process(bystander):
+    other = dataclasses.replace(_identity(bystander), boot_id="0" * 36)
+    assert "started in another boot" in other.differs()
+
+
+def test_a_process_gone_is_not_running():
+    p = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    me = _identity(p)
+    p.kill()
+    os.waitid(os.P_PID, p.pid, os.WEXITED | os.WNOWAIT)  # dead, not reaped
+    assert me.differs() == f"pid {p.pid} has exited (a zombie not yet reaped)"
+    p.wait()
+    assert me.differs() == f"pid {p.pid} is not running"
+    assert ProcessIdentity.of(p.pid) is None
+
+
+def test_no_identity_recorded_is_none():
+    assert ProcessIdentity.from_record(123, None) is None
+    assert ProcessIdentity.from_record(123, {"start_ticks": 1}) is None  # torn or older record
+    assert ProcessIdentity.from_record(None, {"start_ticks": 1, "boot_id": "b",
+                                              "cmdline": []}) is None
+
+
+def _dead_within(p, seconds=5.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if p.poll() is not None:
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_signal_proven_leaves_a_stranger_alone_and_kills_its_own(bystander):
+    me = _identity(bystander)
+    stranger = dataclasses.replace(me, start_ticks=me.start_ticks + 1)
+    assert "another process" in signal_proven(stranger, signal.SIGKILL)
+    assert "no identity was recorded" in signal_proven(None, signal.SIGKILL)
+    assert not _dead_within(bystander, 0.3)
+    assert signal_proven(me, signal.SIGKILL) is None
+    assert _dead_within(bystander) and bystander.returncode == -signal.SIGKILL
