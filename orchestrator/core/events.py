@@ -36,10 +36,13 @@ class Event:
     SUPERVISOR_STOPPED = "supervisor_stopped"
     #: the lock of a dead supervisor was taken over
     LOCK_TAKEN_OVER = "lock_taken_over"
-    #: a dead supervisor's worker was stopped
+    #: a dead supervisor's worker (``attempt``, ``rank``) or standby (``standby_for_attempt``)
+    #: was stopped: its pid was still the process started (core/procid.py)
     ORPHAN_WORKER_KILLED = "orphan_worker_killed"
-    #: ... or could not be
-    ORPHAN_WORKER_NOT_KILLED = "orphan_worker_not_killed"
+    #: ... or left alone (``reason``): the pid is gone, is another process now (start time,
+    #: command line or boot differ), ran on another host, had no identity recorded (a journal
+    #: of an older version), or could not be signalled
+    PROCESS_LEFT_ALONE = "process_left_alone"
     #: resumed under a changed training hash (--force)
     RESUME_FORCED = "resume_forced"
     #: a new run moved an earlier run's local checkpoints aside

@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 from orchestrator.core import heartbeat
 from orchestrator.core.events import Event
 from orchestrator.core.rundir import RunDir
-from orchestrator.supervise.attempt import Attempt, Phase, kill_group, spawn, watch_exit
+from orchestrator.supervise.attempt import (Attempt, Phase, identity_record, kill_group, spawn,
+                                             watch_exit)
 
 
 class EngineUnavailable(RuntimeError):
@@ -54,9 +55,13 @@ class Member:
     handle: object = None       # a Popen (local) or a Ray actor handle (ray)
     exit_code: int | None = None
     info: dict = field(default_factory=dict)
+    identity: dict | None = None  # taken where it was spawned (core/procid.py), as journaled
 
-    def describe(self) -> dict:
-        return {"rank": self.rank, "pid": self.pid, "host": self.host}
+    def describe(self, identity: bool = False) -> dict:
+        """Where it runs; with ``identity``, what a later supervisor needs to know its pid
+        again (``attempt_started``)."""
+        d = {"rank": self.rank, "pid": self.pid, "host": self.host}
+        return dict(d, identity=self.identity) if identity else d
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -78,7 +83,7 @@ class LocalEngine:
 
     def spawn(self, m: Member, cmd: list[str], env: dict, cwd: str, events) -> None:
         proc = spawn(cmd, env, cwd, m.log)
-        m.handle, m.pid = proc, proc.pid
+        m.handle, m.pid, m.identity = proc, proc.pid, identity_record(proc)
         watch_exit(proc, events, m, f"wait-rank-{m.rank}")
 
     def signal(self, m: Member, sig: int) -> None:
@@ -119,8 +124,9 @@ class GroupAttempt(Attempt):
         self.hang.start(self.n)
         self.journal.append(Event.ATTEMPT_STARTED, attempt=self.n, pid=chief.pid,
                             host=chief.host, from_epoch=from_epoch, log=self.log,
-                            engine=self.engine.name,
-                            workers=[m.describe() for m in self.members], **(path or {}))
+                            engine=self.engine.name, identity=chief.identity,
+                            workers=[m.describe(identity=True) for m in self.members],
+                            **(path or {}))
 
     def _exited(self, item: tuple) -> int | None:
         if item[0] != "exit" or item[1] not in self.members:

@@ -22,6 +22,7 @@ import os
 import signal
 import threading
 
+from orchestrator.supervise.attempt import identity_record, spawn
 from orchestrator.supervise.group import EngineUnavailable, Member, free_port
 
 # What Ray sets in an actor for the resources of its bundle; the worker must see the same.
@@ -47,16 +48,12 @@ def _host_class(ray):
             ip = ray.util.get_node_ip_address()
             return socket.gethostname(), f"{ip}:{free_port('0.0.0.0')}"
 
-        def start(self, cmd: list, env: dict, cwd: str, log: str) -> int:
-            import subprocess
-
+        def start(self, cmd: list, env: dict, cwd: str, log: str) -> tuple:
+            """(pid, identity): taken here, on its node, where its /proc is."""
             env = dict(env, **{k: v for k, v in os.environ.items() if k in RAY_DEVICE_ENV})
             os.makedirs(os.path.dirname(log), exist_ok=True)
-            with open(log, "ab") as f:
-                self.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT,
-                                             stdin=subprocess.DEVNULL, start_new_session=True,
-                                             env=env, cwd=cwd)
-            return self.proc.pid
+            self.proc = spawn(cmd, env, cwd, log)
+            return self.proc.pid, identity_record(self.proc)
 
         def wait(self, error_record: str, log: str) -> tuple:
             rc = self.proc.wait()
@@ -140,7 +137,7 @@ class RayEngine:
     def spawn(self, m: Member, cmd: list[str], env: dict, cwd: str, events) -> None:
         host = self.hosts[m.rank]
         m.handle = host
-        m.pid = self.ray.get(host.start.remote(cmd, env, cwd, m.log))
+        m.pid, m.identity = self.ray.get(host.start.remote(cmd, env, cwd, m.log))
         pending = host.wait.remote(m.error_record, m.log)
 
         def watch():

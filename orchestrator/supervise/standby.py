@@ -33,7 +33,7 @@ from orchestrator.core.kinds import Action
 from orchestrator.core.rundir import RunDir
 from orchestrator.core.spec import JobSpec
 from orchestrator.recovery.failures import read_tail
-from orchestrator.supervise.attempt import spawn, watch_exit
+from orchestrator.supervise.attempt import identity_record, spawn, watch_exit
 
 WARM = "warm"                # imported, built, compiled, traced
 IMPORT_ONLY = "import_only"  # imported TensorFlow only (a TPU the active worker holds)
@@ -78,6 +78,7 @@ class Standby:
         self.t0 = time.time()
         self.proc = proc = spawn(self.cmd, self.env, self.cwd, self.log, stdin=subprocess.PIPE)
         self.journal.append(Event.STANDBY_STARTED, for_attempt=self.for_attempt, pid=proc.pid,
+                            host=os.uname().nodename, identity=identity_record(proc),
                             mode=self.mode, log=self.log)
         # the same queue and item as an attempt's: once promoted, Attempt.wait sees its exit
         watch_exit(proc, self.events, proc, f"wait-standby-{self.for_attempt}")
