@@ -86,3 +86,52 @@ def test_signal_proven_leaves_a_stranger_alone_and_kills_its_own(bystander):
     assert not _dead_within(bystander, 0.3)
     assert signal_proven(me, signal.SIGKILL) is None
     assert _dead_within(bystander) and bystander.returncode == -signal.SIGKILL
+
+
+def test_a_dead_runs_leftovers_are_killed_only_when_proven_its_own(tmp_path, bystander):
+    """kill_orphans (supervise/attempt.py) over a dead run's journal: a rank of its unended
+    group attempt and its unpromoted standby, spawned as the supervisor spawns them, are
+    killed; a rank whose pid a stranger holds, one on another host and a promoted standby
+    are left alone (the first two journaled with why)."""
+    from orchestrator.core.journal import Journal
+    from orchestrator.supervise.attempt import identity_record, kill_orphans, spawn
+
+    here = os.uname().nodename
+    log = str(tmp_path / "w.log")
+    rank0, standby = spawn(["sleep", "601"], None, None, log), spawn(["sleep", "602"], None,
+                                                                    None, log)
+    # a rank that held the bystander's pid before it: another start tick (both processes here
+    # may have started within one 10 ms tick), another command line
+    stranger = dataclasses.replace(rank0.identity, pid=bystander.pid,
+                                   start_ticks=_identity(bystander).start_ticks - 1).record()
+    events = [
+        {"event": "run_resumed"},
+        {"event": "attempt_started", "attempt": 4, "pid": rank0.pid, "host": here,
+         "workers": [{"rank": 0, "pid": rank0.pid, "host": here,
+                      "identity": identity_record(rank0)},
+                     {"rank": 1, "pid": bystander.pid, "host": here, "identity": stranger},
+                     {"rank": 2, "pid": 4242, "host": "elsewhere", "identity": stranger}]},
+        {"event": "standby_started", "for_attempt": 4, "pid": bystander.pid, "host": here,
+         "identity": _identity(bystander).record()},
+        {"event": "standby_promoted", "attempt": 4, "pid": bystander.pid},
+        {"event": "standby_started", "for_attempt": 5, "pid": standby.pid, "host": here,
+         "identity": identity_record(standby)},
+    ]
+    journal = Journal(str(tmp_path / "events.jsonl"))
+    try:
+        kill_orphans(events, journal)
+        assert _dead_within(rank0) and _dead_within(standby)
+        assert bystander.poll() is None
+        got = [(e["event"], e.get("rank", e.get("standby_for_attempt")), e["pid"])
+               for e in journal.events()]
+        assert got == [("orphan_worker_killed", 0, rank0.pid),
+                       ("process_left_alone", 1, bystander.pid),
+                       ("process_left_alone", 2, 4242),
+                       ("orphan_worker_killed", 5, standby.pid)]
+        left = journal.events("process_left_alone")
+        assert "is another process now" in left[0]["reason"]
+        assert "host elsewhere" in left[1]["reason"]
+    finally:
+        for p in (rank0, standby):
+            p.kill()
+            p.wait()

@@ -292,12 +292,8 @@ def kill_orphans(events: list[dict], journal: Journal) -> None:
 
 
 def _left_running(events: list[dict]):
-    """(what it was, its journaled record) for each process the last supervisor session may
-    have left: ranks and single workers of attempts with no ``attempt_ended``, standbys with
-    no end. Earlier sessions' were dealt with when the next one took over."""
-    starts = [i for i, e in enumerate(events)
-              if e["event"] in (Event.RUN_STARTED, Event.RUN_RESUMED)]
-    events = events[starts[-1]:] if starts else events
+    """(what it was, its journaled record) for each process a dead supervisor may have left:
+    ranks and single workers of attempts with no ``attempt_ended``, standbys with no end."""
     ended = {e["attempt"] for e in events if e["event"] == Event.ATTEMPT_ENDED}
     done = {Event.STANDBY_PROMOTED, Event.STANDBY_DISCARDED, Event.STANDBY_LOST}
     standby_done = {e.get("pid") for e in events if e["event"] in done}
