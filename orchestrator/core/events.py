@@ -67,6 +67,17 @@ class Event:
     STANDBY_LOST = "standby_lost"
     #: the worker got SIGTERM (a preemption notice), saved its state (``step``) and exited
     PREEMPTED = "preempted"
+    #: the supervisor is Ray's driver now (``address``, ``auth``: the cluster's authentication
+    #: mode it connected in, ``connect_s``; supervise/rayconnect.py)
+    ENGINE_CONNECTED = "engine_connected"
+    #: ... or could not be, within ``timeout_s`` (``reason``, one line): the run does not start
+    ENGINE_UNAVAILABLE = "engine_unavailable"
+    #: the engine is placing a group's ranks (Ray: waiting for its placement group), for at most
+    #: ``timeout_s`` (None: no wait)
+    GROUP_PLACING = "group_placing"
+    #: ... placed (``placed``: true, ``wait_s``, ``hosts``, the ranks' ``addresses``) or not
+    #: (``reason``)
+    GROUP_PLACED = "group_placed"
     #: a rank of a multi-worker group failed: the others are stopped (supervise/group.py)
     GROUP_MEMBER_FAILED = "group_member_failed"
     #: the worker process exited (kind when it failed)
