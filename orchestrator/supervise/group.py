@@ -77,6 +77,11 @@ class LocalEngine:
 
     name = "local"
 
+    @staticmethod
+    def placement_timeout() -> None:
+        """Placing processes here does not wait for anything."""
+        return None
+
     def open(self, size: int) -> list[tuple[str, str]]:
         """(host name, host:port for TF_CONFIG) of each rank."""
         return [(os.uname().nodename, f"127.0.0.1:{free_port()}") for _ in range(size)]
@@ -108,7 +113,7 @@ class GroupAttempt(Attempt):
 
     def start(self, from_epoch: int, path: dict | None = None) -> None:
         self.t0 = time.time()
-        places = self.engine.open(self.size)
+        places = self._place()
         cluster = {"worker": [addr for _, addr in places]}
         for rank, (host, _) in enumerate(places):
             m = Member(rank, host, self.rd.attempt_log(self.n, rank),
@@ -127,6 +132,25 @@ class GroupAttempt(Attempt):
                             engine=self.engine.name, identity=chief.identity,
                             workers=[m.describe(identity=True) for m in self.members],
                             **(path or {}))
+
+    def _place(self) -> list[tuple[str, str]]:
+        """The engine places the ranks; the wait is journaled before (with its bound) and
+        after (how long it took, or why it failed), so that a wait for resources is seen."""
+        where = dict(attempt=self.n, engine=self.engine.name, workers=self.size)
+        self.journal.append(Event.GROUP_PLACING, **where,
+                            timeout_s=self.engine.placement_timeout())
+        t0 = time.monotonic()
+        try:
+            places = self.engine.open(self.size)
+        except EngineUnavailable as exc:
+            self.journal.append(Event.GROUP_PLACED, **where, placed=False,
+                                wait_s=round(time.monotonic() - t0, 3), reason=str(exc))
+            raise
+        self.journal.append(Event.GROUP_PLACED, **where, placed=True,
+                            wait_s=round(time.monotonic() - t0, 3),
+                            hosts=[host for host, _ in places],
+                            addresses=[address for _, address in places])
+        return places
 
     def _exited(self, item: tuple) -> int | None:
         if item[0] != "exit" or item[1] not in self.members:
