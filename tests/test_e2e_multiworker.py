@@ -61,7 +61,7 @@ def reference(tmp_path_factory):
     """The uninterrupted 2-worker run's final weights."""
     tmp = tmp_path_factory.mktemp("ref")
     p = _run(_job(tmp), tmp / "run")
-    out, _ = p.communicate(timeout=300)
+    out, _ = p.communicate(timeout=900)  # a cap only: the supervisor bounds its own waits
     assert p.returncode == 0, out
     done = Journal(str(tmp / "run" / "events.jsonl")).events("run_completed")[0]
     ready = Journal(str(tmp / "run" / "events.jsonl")).events("worker_ready")[0]

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, live, supervise, supervisor_process, wait_until
+from conftest import ROOT, live, supervise, supervisor_process, wait_until, wait_while_running
 from orchestrator.core import heartbeat
 from orchestrator.core.journal import Journal
 from orchestrator.core.osutil import pid_alive
@@ -162,12 +162,12 @@ def test_a_bystander_holding_a_journaled_pid_survives_the_restart_of_a_dead_run(
     job = fake_job(epochs=3)
     run = tmp_path / "run"
     p = supervisor_process(job, {"sleep_forever": ["1"]})
-    wait_until(lambda: (run / "fake-1.pid").exists(), timeout=60, what="attempt 1 spawned")
+    wait_while_running(p, lambda: (run / "fake-1.pid").exists(), what="attempt 1 spawned")
     worker = int((run / "fake-1.pid").read_text())
     p.kill()
     p.communicate()
     os.killpg(worker, signal.SIGKILL)
-    wait_until(lambda: not is_running(worker), timeout=10, what="the dead run's worker gone")
+    wait_until(lambda: not is_running(worker), timeout=60, what="the dead run's worker gone")
     bystander = subprocess.Popen(["sleep", "600"], start_new_session=True)
     try:
         for journal in (live(job, run).journal, str(run / "events.jsonl")):
