@@ -108,6 +108,9 @@ def connect(address: str | None, timeout_s: float, **init_kw) -> dict:
     """Connect this process as Ray's driver within ``timeout_s``; what was connected to (the
     address, the authentication mode, the seconds it took). Raises ``ConnectError``."""
     t0 = time.monotonic()
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():  # a notebook that connected itself: as it is
+        return {"address": address or "local", "auth": "as connected before", "connect_s": 0.0}
     deadline = t0 + timeout_s
     mode = os.environ.get(AUTH_MODE_ENV) or "Ray's default"
     gcs = gcs_address(address)
