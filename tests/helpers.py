@@ -115,3 +115,24 @@ class FakeClock:
             return True
         self.sleep(seconds or 0.0)
         return event.is_set()
+
+
+def wait_while_running(proc, cond, what="condition", cap=900):
+    """Poll ``cond`` until it gives something true (returned), for as long as the supervisor
+    ``proc`` runs: an AssertionError with its output as soon as it exits first. No timing of
+    an idle machine here: every wait of a supervisor before and between steps is bounded by the
+    supervisor itself and journaled with its bound (Ray's connection and placement, the
+    start-up and hang timeouts), so one that cannot go on exits. ``cap`` only keeps a test
+    machine that stopped altogether from holding the suite forever."""
+    import time
+
+    deadline = time.time() + cap
+    while time.time() < deadline:
+        got = cond()
+        if got:
+            return got
+        if proc.poll() is not None:
+            out = proc.stdout.read() if proc.stdout else ""
+            raise AssertionError(f"{what}: the supervisor exited {proc.returncode} first:\n{out}")
+        time.sleep(0.05)
+    raise AssertionError(f"{what} not met in {cap} s while the supervisor ran")

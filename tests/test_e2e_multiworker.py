@@ -6,6 +6,7 @@ is stopped, restarted from the newest checkpoint, and ends with the weights of a
 2-worker run. A hang of one rank stalls the group; rank 0's silent heartbeat stops it.
 Where Ray is not installed the Ray test is skipped with the reason.
 """
+import contextlib
 import os
 import shutil
 import signal
@@ -14,7 +15,7 @@ import sys
 
 import pytest
 
-from helpers import ROOT, live, wait_until
+from helpers import ROOT, live, wait_while_running
 from orchestrator.core import heartbeat
 from orchestrator.core.journal import Journal
 from orchestrator.ops.status import format_status, run_status
@@ -50,7 +51,9 @@ def _run(job, run_dir, *args, env=None):
                             stderr=subprocess.STDOUT, text=True, env=env)
 
 
-_wait = wait_until  # (helpers)
+def _wait(p, cond, what):
+    """Until the run reaches a moment, for as long as its supervisor runs (helpers)."""
+    return wait_while_running(p, cond, what=what)
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +61,7 @@ def reference(tmp_path_factory):
     """The uninterrupted 2-worker run's final weights."""
     tmp = tmp_path_factory.mktemp("ref")
     p = _run(_job(tmp), tmp / "run")
-    out, _ = p.communicate(timeout=300)
+    out, _ = p.communicate(timeout=900)  # a cap only: the supervisor bounds its own waits
     assert p.returncode == 0, out
     done = Journal(str(tmp / "run" / "events.jsonl")).events("run_completed")[0]
     ready = Journal(str(tmp / "run" / "events.jsonl")).events("worker_ready")[0]
@@ -66,34 +69,65 @@ def reference(tmp_path_factory):
     return done["weights_sha256"]
 
 
+# The suite's Ray: its own authentication mode and token, whatever an earlier run left in
+# ~/.ray; on loopback only (the head's address, and RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 so that
+# Ray keeps 127.0.0.1 for a driver instead of mapping it to the machine's interface address).
+RAY_TOKEN = "orchestrator-suite-" + os.urandom(8).hex()
+LOOPBACK_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+
+
 @pytest.fixture(scope="module")
 def ray_address(tmp_path_factory):
+    """A one-node Ray head on 127.0.0.1 with token authentication, this suite's own: started
+    with ``--block`` in a session of its own and stopped by its pid (SIGTERM: it drains and
+    stops its processes), never by ``ray stop``, which stops every Ray of the machine."""
     pytest.importorskip("ray", reason="the ray engine needs Ray: pip install 'orchestrator[ray]'")
     tmp = tmp_path_factory.mktemp("ray")
-    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
-    ray = [sys.executable, "-m", "ray.scripts.scripts"]
-    subprocess.run(ray + ["start", "--head", "--num-cpus=4", "--include-dashboard=false",
-                          f"--temp-dir={tmp}", "--port=0"], check=True, env=env,
-                   capture_output=True, timeout=180)
+    env = dict(os.environ, **LOOPBACK_ENV, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=RAY_TOKEN)
+    with open(tmp / "head.log", "wb") as log:
+        head = subprocess.Popen(
+            [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
+             "--num-cpus=4", "--include-dashboard=false", f"--temp-dir={tmp}", "--port=0",
+             "--node-ip-address=127.0.0.1"], env=env, stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True)
     try:
-        with open(os.path.join(tmp, "ray_current_cluster")) as f:
-            address = f.read().strip()
+        current = tmp / "ray_current_cluster"
+        wait_while_running(head, lambda: current.exists() and current.read_text().strip(),
+                           what=f"the Ray head up (its log: {tmp / 'head.log'})")
+        address = current.read_text().strip()
+        assert address.startswith("127.0.0.1:"), address
         yield address
     finally:
-        subprocess.run(ray + ["stop", "--force"], env=env, capture_output=True, timeout=120)
+        head.terminate()
+        try:
+            head.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pass
+        with contextlib.suppress(ProcessLookupError):  # what did not stop with it
+            os.killpg(head.pid, signal.SIGKILL)
+        head.wait()
+
+
+def _ray_env(address, **more):
+    """The supervisor's: the cluster's address and its token, not its mode (the supervisor
+    finds the cluster's mode itself, supervise/rayconnect.py)."""
+    env = dict(os.environ, **LOOPBACK_ENV, RAY_ADDRESS=address, RAY_AUTH_TOKEN=RAY_TOKEN, **more)
+    env.pop("RAY_AUTH_MODE", None)
+    return env
 
 
 def _kill_rank_1_mid_epoch(job, run, engine, reference, env=None, args=()):
     ctl = live(job, run)
     journal = Journal(ctl.journal)
     p = _run(job, run, "--engine", engine, *args, env=env)
-    started = _wait(lambda: next(journal.iter("attempt_started"), None), what="attempt 1")
+    started = _wait(p, lambda: next(journal.iter("attempt_started"), None), what="attempt 1")
     assert [w["rank"] for w in started["workers"]] == [0, 1] and started["engine"] == engine
-    spe = _wait(lambda: next(journal.iter("worker_ready"), None))["steps_per_epoch"]
+    spe = _wait(p, lambda: next(journal.iter("worker_ready"), None),
+                what="rank 0 ready")["steps_per_epoch"]
     target = spe + spe // 2 + 3  # the middle of epoch 2, past a mid-epoch checkpoint
-    _wait(lambda: (heartbeat.read(ctl.control) or {}).get("step", 0) >= target, what="step")
+    _wait(p, lambda: (heartbeat.read(ctl.control) or {}).get("step", 0) >= target, what="step")
     os.kill(started["workers"][1]["pid"], signal.SIGKILL)
-    out, _ = p.communicate(timeout=300)
+    out, _ = p.communicate(timeout=900)  # a cap only: the supervisor bounds its own waits
     assert p.returncode == 0, out
     events = Journal(str(run / "events.jsonl")).events()
     failed = [e for e in events if e["event"] == "group_member_failed"]
@@ -128,7 +162,35 @@ def test_local_engine_rank_1_killed_mid_epoch_then_a_hung_rank_ends_bit_identica
 
 def test_ray_engine_rank_1_killed_mid_epoch_ends_bit_identical(tmp_path, reference,
                                                                ray_address):
-    env = dict(os.environ, RAY_ADDRESS=ray_address)
-    events = _kill_rank_1_mid_epoch(_job(tmp_path), tmp_path / "run", "ray", reference, env)
+    """Through a Ray cluster with token authentication, on loopback: the supervisor connects
+    in the cluster's mode, journals the connection and the wait for placement, and every
+    rank's address is on 127.0.0.1."""
+    events = _kill_rank_1_mid_epoch(_job(tmp_path), tmp_path / "run", "ray", reference,
+                                    _ray_env(ray_address))
     workers = next(e for e in events if e["event"] == "attempt_started")["workers"]
-    assert all(w["pid"] and w["host"] for w in workers)
+    assert all(w["pid"] and w["host"] and w["identity"] for w in workers)
+    connected = [e for e in events if e["event"] == "engine_connected"]
+    assert [(e["address"], e["auth"]) for e in connected] == [(ray_address, "token")]
+    placing = [e for e in events if e["event"] == "group_placing"]
+    placed = [e for e in events if e["event"] == "group_placed"]
+    assert len(placing) == len(placed) >= 2 and placing[0]["timeout_s"] > 0
+    assert all(e["placed"] for e in placed)
+    assert all(a.startswith("127.0.0.1:") for e in placed for a in e["addresses"]), placed
+
+
+def test_ray_without_the_clusters_token_is_one_line_and_an_exit(tmp_path, ray_address):
+    """No token here for a cluster that requires one (nothing in the environment, an empty
+    home): refused at once with one line and exit 2, journaled; no endless retry."""
+    home = tmp_path / "home"
+    home.mkdir()
+    env = _ray_env(ray_address, HOME=str(home))
+    del env["RAY_AUTH_TOKEN"]
+    job, run = _job(tmp_path), tmp_path / "run"
+    p = _run(job, run, "--engine", "ray", env=env)
+    out, _ = p.communicate(timeout=120)  # the bound is the connection's, 60 s by default
+    assert p.returncode == 2, out
+    lines = [ln for ln in out.splitlines() if "token" in ln]
+    assert len(lines) == 1 and "requires token authentication and no token was found" \
+        in lines[0], out
+    gone = Journal(str(live(job, run).journal)).events("engine_unavailable")
+    assert len(gone) == 1 and "no token was found" in gone[0]["reason"]

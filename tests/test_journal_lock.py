@@ -81,3 +81,47 @@ def test_lock_of_other_host_goes_stale_only_when_silent(tmp_path):
         json.dump({"host": "elsewhere", "pid": 1, "refreshed": time.time() - 120}, f)
     taken = RunLock(str(tmp_path), stale_after=60).acquire()
     assert "silent" in taken["reason"]
+
+
+def _lock_of(tmp_path, pid, identity, refreshed=0.0):
+    with open(tmp_path / "lock", "w") as f:
+        json.dump({"host": os.uname().nodename, "pid": pid, "identity": identity,
+                   "refreshed": refreshed}, f)
+
+
+@pytest.mark.integration
+def test_lock_whose_owner_pid_is_now_another_process_is_taken_over(tmp_path):
+    """The owner died and a stranger got its pid: alive, but not the owner (core/procid.py)."""
+    import dataclasses
+
+    from orchestrator.core.procid import ProcessIdentity
+
+    stranger = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    try:
+        now = ProcessIdentity.of(stranger.pid, settle_s=1.0)
+        owner = dataclasses.replace(now, start_ticks=now.start_ticks - 1,
+                                    cmdline=(sys.executable, "-m", "orchestrator", "run"))
+        _lock_of(tmp_path, stranger.pid, owner.record())
+        taken = RunLock(str(tmp_path)).acquire()
+        assert taken["pid"] == stranger.pid and "is another process now" in taken["reason"]
+        assert stranger.poll() is None  # a lock takes over; it signals nobody
+    finally:
+        stranger.kill()
+        stranger.wait()
+
+
+def test_lock_of_this_host_in_another_boot_goes_stale_only_when_silent(tmp_path):
+    """Same host name, another boot id: a recycled VM of that name may still hold it, or
+    this machine before a reboot: only silence tells, as for another host."""
+    import time
+
+    from orchestrator.core.procid import ProcessIdentity
+
+    me = ProcessIdentity.of(os.getpid())
+    other_boot = dict(me.record(), boot_id="0" * 36)
+    _lock_of(tmp_path, 999_999_999, other_boot, refreshed=time.time())  # no such pid here
+    with pytest.raises(LockedError, match="last seen"):
+        RunLock(str(tmp_path), stale_after=60).acquire()
+    _lock_of(tmp_path, 999_999_999, other_boot, refreshed=time.time() - 120)
+    taken = RunLock(str(tmp_path), stale_after=60).acquire()
+    assert "another boot" in taken["reason"] and "silent" in taken["reason"]

@@ -43,6 +43,10 @@ def test_a_killed_worker_is_replaced_by_the_warm_standby_and_a_new_one_starts(fa
     # attempt 2 is the standby's process, which trains and journals its own pid
     assert started[1]["pid"] == _pid(run, "fake-standby-2.pid") == _pid(run, "fake-2.pid")
     assert _ev(events, "worker_ready")[1]["pid"] == started[1]["pid"]
+    # ... with the identity its spawn recorded (a later supervisor knows that pid by it)
+    standby_2 = _ev(events, "standby_started")[0]
+    assert started[1]["identity"] == standby_2["identity"]
+    assert standby_2["identity"]["cmdline"][-2:] == ["--standby", "warm"]
     promoted = _ev(events, "standby_promoted")
     assert [(e["attempt"], e["mode"]) for e in promoted] == [(2, "warm")]
     # a new standby behind the promoted one, discarded at the end; none outlives the run

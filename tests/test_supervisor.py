@@ -1,5 +1,7 @@
 """Supervisor logic with tiny fake workers (no TensorFlow): fast and exact."""
+import json
 import os
+import pathlib
 import signal
 import subprocess
 import sys
@@ -7,10 +9,11 @@ import time
 
 import pytest
 
-from helpers import ROOT, live, supervise, supervisor_process
+from helpers import ROOT, live, supervise, supervisor_process, wait_until, wait_while_running
 from orchestrator.core import heartbeat
 from orchestrator.core.journal import Journal
 from orchestrator.core.osutil import pid_alive
+from orchestrator.core.procid import is_running
 
 # integration: the real supervisor with the fake worker: real processes, real waiting
 pytestmark = pytest.mark.integration
@@ -125,10 +128,67 @@ def test_supervisor_killed_then_rerun_resumes_and_stops_the_orphan(fake_job, tmp
     assert "took over the run directory from a dead supervisor" in out
     assert any(e["event"] == "lock_taken_over" for e in events)
     assert _epochs(events) == [1, 2, 3, 4, 5, 6]
-    deadline = time.time() + 5  # the orphan dies of the parent watch or of the takeover kill
+    killed = [e for e in events if e["event"] == "orphan_worker_killed"]
+    assert [(e["attempt"], e["pid"]) for e in killed] == [(1, orphan)]  # proven ours: killed
+    deadline = time.time() + 5
     while pid_alive(orphan) and time.time() < deadline:
         time.sleep(0.05)
     assert not pid_alive(orphan), f"orphan worker {orphan} still alive"
+
+
+def _journaled_pid_is(path, pid: int, keep_identity: bool) -> None:
+    """Rewrite a dead run's journal as if attempt 1's worker had had ``pid``: with the
+    identity recorded for the real worker (its start time and command line, now another
+    process's pid), or none (a journal of an older version)."""
+    lines = []
+    for line in path.read_text().splitlines(keepends=True):
+        try:
+            e = json.loads(line)
+        except ValueError:
+            lines.append(line)  # a torn last line, as a SIGKILL may leave
+            continue
+        if e["event"] == "attempt_started":
+            assert e["identity"]["cmdline"][1].endswith("fake_worker.py")
+            e["pid"] = pid
+            if not keep_identity:
+                del e["identity"]
+            line = json.dumps(e) + "\n"
+        lines.append(line)
+    path.write_text("".join(lines))
+
+
+@pytest.mark.parametrize("keep_identity", [True, False], ids=["other-start-time", "no-identity"])
+def test_a_bystander_holding_a_journaled_pid_survives_the_restart_of_a_dead_run(
+        fake_job, tmp_path, keep_identity):
+    """The supervisor and its worker were SIGKILLed (the VM died); a stranger that leads its
+    own process group now holds the pid the journal recorded for the worker. The restart
+    leaves it alone, journals why, and completes the run."""
+    job = fake_job(epochs=3)
+    run = tmp_path / "run"
+    p = supervisor_process(job, {"sleep_forever": ["1"]})
+    wait_while_running(p, lambda: (run / "fake-1.pid").exists(), what="attempt 1 spawned")
+    worker = int((run / "fake-1.pid").read_text())
+    p.kill()
+    p.communicate()
+    os.killpg(worker, signal.SIGKILL)
+    wait_until(lambda: not is_running(worker), timeout=60, what="the dead run's worker gone")
+    bystander = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    try:
+        for journal in (live(job, run).journal, str(run / "events.jsonl")):
+            if os.path.exists(journal):
+                _journaled_pid_is(pathlib.Path(journal), bystander.pid, keep_identity)
+        rc, out, events = _run(job, {})
+        assert rc == 0, out
+        assert _epochs(events) == [1, 2, 3]
+        assert bystander.poll() is None, "the bystander was killed"
+        left = [e for e in events if e["event"] == "process_left_alone"]
+        assert [(e["attempt"], e["pid"]) for e in left] == [(1, bystander.pid)]
+        why = "is another process now" if keep_identity else "no identity was recorded"
+        assert why in left[0]["reason"], left[0]
+        assert not [e for e in events if e["event"] == "orphan_worker_killed"]
+    finally:
+        bystander.kill()
+        bystander.wait()
 
 
 def test_sigterm_stops_the_worker_group_and_keeps_the_run_resumable(fake_job, tmp_path):

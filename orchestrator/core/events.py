@@ -36,10 +36,13 @@ class Event:
     SUPERVISOR_STOPPED = "supervisor_stopped"
     #: the lock of a dead supervisor was taken over
     LOCK_TAKEN_OVER = "lock_taken_over"
-    #: a dead supervisor's worker was stopped
+    #: a dead supervisor's worker (``attempt``, ``rank``) or standby (``standby_for_attempt``)
+    #: was stopped: its pid was still the process started (core/procid.py)
     ORPHAN_WORKER_KILLED = "orphan_worker_killed"
-    #: ... or could not be
-    ORPHAN_WORKER_NOT_KILLED = "orphan_worker_not_killed"
+    #: ... or left alone (``reason``): the pid is gone, is another process now (start time,
+    #: command line or boot differ), ran on another host, had no identity recorded (a journal
+    #: of an older version), or could not be signalled
+    PROCESS_LEFT_ALONE = "process_left_alone"
     #: resumed under a changed training hash (--force)
     RESUME_FORCED = "resume_forced"
     #: a new run moved an earlier run's local checkpoints aside
@@ -67,6 +70,17 @@ class Event:
     STANDBY_DECIDED = "standby_decided"
     #: the worker got SIGTERM (a preemption notice), saved its state (``step``) and exited
     PREEMPTED = "preempted"
+    #: the supervisor is Ray's driver now (``address``, ``auth``: the cluster's authentication
+    #: mode it connected in, ``connect_s``; supervise/rayconnect.py)
+    ENGINE_CONNECTED = "engine_connected"
+    #: ... or could not be, within ``timeout_s`` (``reason``, one line): the run does not start
+    ENGINE_UNAVAILABLE = "engine_unavailable"
+    #: the engine is placing a group's ranks (Ray: waiting for its placement group), for at most
+    #: ``timeout_s`` (None: no wait)
+    GROUP_PLACING = "group_placing"
+    #: ... placed (``placed``: true, ``wait_s``, ``hosts``, the ranks' ``addresses``) or not
+    #: (``reason``)
+    GROUP_PLACED = "group_placed"
     #: a rank of a multi-worker group failed: the others are stopped (supervise/group.py)
     GROUP_MEMBER_FAILED = "group_member_failed"
     #: the worker process exited (kind when it failed)

@@ -1,9 +1,11 @@
 """Ownership of a run directory: one supervisor at a time.
 
-A ``lock`` file names the owner (host, pid, start, last refresh). It is created with
-``O_EXCL``. A lock whose owner is dead (same host, pid gone) or silent for longer than
-``stale_after`` seconds (another host, e.g. a recycled Colab VM that left it on Drive) is stale
-and is taken over: it is first renamed aside, which only one contender can do, then created anew.
+A ``lock`` file names the owner (host, pid and its identity, start, last refresh). It is
+created with ``O_EXCL``. A lock whose owner is dead (same host and boot, and the pid no longer
+the process that wrote it: core/procid.py, as a pid alone may be reused by anyone) or silent for
+longer than ``stale_after`` seconds (another host or boot, e.g. a recycled Colab VM that left it
+on Drive) is stale and is taken over: it is first renamed aside, which only one contender can
+do, then created anew.
 
 The takeover rule when the run directory (Drive) goes away while a supervisor trains: the lock
 is refreshed every ``Lease.refresh_s``; a supervisor that could not refresh it for
@@ -24,6 +26,7 @@ import uuid
 
 from orchestrator.core.clock import SYSTEM, Clock
 from orchestrator.core.osutil import pid_alive, read_json, write_json_atomic
+from orchestrator.core.procid import ProcessIdentity, boot_id
 
 FILE = "lock"
 
@@ -64,7 +67,9 @@ class RunLock:
     def __init__(self, run_dir: str, stale_after: float = 120.0):
         self.path = os.path.join(run_dir, FILE)
         self.stale_after = stale_after
+        me = ProcessIdentity.of(os.getpid())
         self.owner = {"host": socket.gethostname(), "pid": os.getpid(),
+                      "identity": me.record() if me else None,
                       "started": round(time.time(), 3), "token": uuid.uuid4().hex}
         self.held = False
 
@@ -137,12 +142,18 @@ class RunLock:
             except OSError:
                 fresh = False
             return None if fresh else "lock file unreadable"
-        if current.get("host") == socket.gethostname():
-            pid = int(current.get("pid", 0) or 0)
-            if pid and not pid_alive(pid):
+        pid = int(current.get("pid", 0) or 0)
+        owner = ProcessIdentity.from_record(pid, current.get("identity"))
+        same_host = current.get("host") == socket.gethostname()
+        if same_host and (owner is None or owner.boot_id == boot_id()):
+            if owner is not None:  # this machine, this boot: the pid decides, if it is his
+                why = owner.differs()
+                return None if why is None else f"owner {why}"
+            if pid and not pid_alive(pid):  # a lock of an older version: the pid alone
                 return f"owner pid {pid} is not running"
             return None
         age = time.time() - float(current.get("refreshed", 0) or 0)
         if age > self.stale_after:
-            return f"owner on host {current.get('host')} silent for {age:.0f} s"
+            other = " (another boot, or another machine of that name)" if same_host else ""
+            return f"owner on host {current.get('host')}{other} silent for {age:.0f} s"
         return None

@@ -164,8 +164,8 @@ def build(events: list[dict], running: bool = False, now: float | None = None) -
                 a.kind = e.get("kind") or a.kind or Kind.UNKNOWN
                 a.actions.append("gave up: " + (e.get("reason") or ""))
         elif ev in (Event.FAULT_INJECTED, Event.HANG_DETECTED, Event.LOCK_TAKEN_OVER,
-                    Event.ORPHAN_WORKER_KILLED):
-            detail = e.get("fault") or e.get("kind") or ""
+                    Event.ORPHAN_WORKER_KILLED, Event.PROCESS_LEFT_ALONE):
+            detail = e.get("fault") or e.get("kind") or e.get("reason") or ""
             markers.append((ts, ev, str(detail)))
         if ev in SESSION_END and s.how == "open":
             s.how = {Event.RUN_COMPLETED: "completed", Event.RUN_FAILED: "failed",

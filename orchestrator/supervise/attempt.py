@@ -26,7 +26,8 @@ from typing import Callable
 from orchestrator.core import heartbeat
 from orchestrator.core.events import Event
 from orchestrator.core.journal import Journal
-from orchestrator.core.osutil import pid_alive, read_json
+from orchestrator.core.osutil import read_json
+from orchestrator.core.procid import ProcessIdentity, is_running, signal_proven
 from orchestrator.recovery import oom
 from orchestrator.recovery.failures import signal_name
 from orchestrator.supervise.hangs import HangClock, dump_stacks
@@ -117,8 +118,8 @@ class Attempt:
         self._oom_before = oom.snapshot(self._cgroups)
         self.hang.start(self.n)
         self.journal.append(Event.ATTEMPT_STARTED, attempt=self.n, pid=proc.pid,
-                            host=os.uname().nodename, from_epoch=from_epoch, log=self.log,
-                            **(path or {}))
+                            host=os.uname().nodename, identity=identity_record(proc),
+                            from_epoch=from_epoch, log=self.log, **(path or {}))
 
     def wait(self, on_checkpoint: Callable[[], None], duties: list[Every],
              on_training: Callable[[], None] | None = None,
@@ -216,13 +217,34 @@ class Attempt:
             kill_group(self.proc, self.stop_grace if grace is None else grace)
 
 
+# How long a spawn waits for the kernel to show the new program's command line (core/procid.py);
+# it shows within a millisecond or two, the bound is for a machine under load.
+SETTLE_S = 1.0
+
+
+class Spawned(subprocess.Popen):
+    """A process we started, with its identity taken at once (core/procid.py): journaled
+    beside its pid, so that a later supervisor signals that pid only while it is still this
+    process."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.identity = ProcessIdentity.of(self.pid, settle_s=SETTLE_S)
+
+
+def identity_record(proc) -> dict | None:
+    """What the journal keeps beside ``proc``'s pid to know it again (None: not provable)."""
+    identity = getattr(proc, "identity", None)
+    return identity.record() if identity is not None else None
+
+
 def spawn(cmd: list[str], env: dict, cwd: str, log: str,
-          stdin=subprocess.DEVNULL) -> subprocess.Popen:
+          stdin=subprocess.DEVNULL) -> Spawned:
     """A worker process in its own process group (so a stop reaches its data-loader children
     too), its output appended to ``log``: an attempt's, a standby's, a group's rank."""
     with open(log, "ab") as out:
-        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=stdin,
-                                start_new_session=True, env=env, cwd=cwd)
+        return Spawned(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=stdin,
+                       start_new_session=True, env=env, cwd=cwd)
 
 
 def watch_exit(proc: subprocess.Popen, events: queue.Queue, key, name: str) -> None:
@@ -247,16 +269,38 @@ def kill_group(proc: subprocess.Popen, grace: float) -> None:
 
 
 def kill_orphans(events: list[dict], journal: Journal) -> None:
-    """A worker of a dead supervisor may still run (same host): stop it before we start."""
-    started = {e["attempt"]: e for e in events if e["event"] == Event.ATTEMPT_STARTED}
-    ended = {e["attempt"] for e in events if e["event"] == Event.ATTEMPT_ENDED}
-    for n, e in started.items():
-        pid = e.get("pid")
-        if n not in ended and pid and e.get("host") == os.uname().nodename and pid_alive(pid):
-            try:
-                os.killpg(pid, signal.SIGKILL)
-                journal.append(Event.ORPHAN_WORKER_KILLED, attempt=n, pid=pid)
-            except (ProcessLookupError, PermissionError) as exc:
-                journal.append(Event.ORPHAN_WORKER_NOT_KILLED, attempt=n, pid=pid,
-                               reason=str(exc))
+    """Stop what a dead supervisor left running before we start: the workers of its unfinished
+    attempt (every rank of a group) and a standby it had not promoted or discarded. Each only
+    if its pid is provably still the process that was started (core/procid.py): by now the pid
+    may be anyone's. A pid that holds another process, or one we cannot prove, is left alone
+    and journaled with why; a pid nobody holds (or a zombie) is passed
+    over in silence."""
+    here = os.uname().nodename
+    for role, e in _left_running(events):
+        pid, host = e.get("pid"), e.get("host", here)
+        if not pid or (host == here and not is_running(pid)):
+            continue
+        where = dict(role, pid=pid)
+        if host != here:
+            journal.append(Event.PROCESS_LEFT_ALONE, **where, host=host,
+                           reason=f"it ran on host {host}, not this one ({here})")
+            continue
+        why = signal_proven(ProcessIdentity.from_record(pid, e.get("identity")), signal.SIGKILL)
+        if why is None:
+            journal.append(Event.ORPHAN_WORKER_KILLED, **where)
+        else:
+            journal.append(Event.PROCESS_LEFT_ALONE, **where, reason=why)
 
+
+def _left_running(events: list[dict]):
+    """(what it was, its journaled record) for each process a dead supervisor may have left:
+    ranks and single workers of attempts with no ``attempt_ended``, standbys with no end."""
+    ended = {e["attempt"] for e in events if e["event"] == Event.ATTEMPT_ENDED}
+    done = {Event.STANDBY_PROMOTED, Event.STANDBY_DISCARDED, Event.STANDBY_LOST}
+    standby_done = {e.get("pid") for e in events if e["event"] in done}
+    for e in events:
+        if e["event"] == Event.ATTEMPT_STARTED and e["attempt"] not in ended:
+            for w in e.get("workers") or [e]:
+                yield {"attempt": e["attempt"], "rank": w.get("rank", 0)}, w
+        elif e["event"] == Event.STANDBY_STARTED and e.get("pid") not in standby_done:
+            yield {"standby_for_attempt": e.get("for_attempt")}, e

@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 from orchestrator.core import heartbeat
 from orchestrator.core.events import Event
 from orchestrator.core.rundir import RunDir
-from orchestrator.supervise.attempt import Attempt, Phase, kill_group, spawn, watch_exit
+from orchestrator.supervise.attempt import (Attempt, Phase, identity_record, kill_group, spawn,
+                                             watch_exit)
 from orchestrator.supervise.messages import Exited
 
 
@@ -55,9 +56,13 @@ class Member:
     handle: object = None       # a Popen (local) or a Ray actor handle (ray)
     exit_code: int | None = None
     info: dict = field(default_factory=dict)
+    identity: dict | None = None  # taken where it was spawned (core/procid.py), as journaled
 
-    def describe(self) -> dict:
-        return {"rank": self.rank, "pid": self.pid, "host": self.host}
+    def describe(self, identity: bool = False) -> dict:
+        """Where it runs; with ``identity``, what a later supervisor needs to know its pid
+        again (``attempt_started``)."""
+        d = {"rank": self.rank, "pid": self.pid, "host": self.host}
+        return dict(d, identity=self.identity) if identity else d
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -73,13 +78,18 @@ class LocalEngine:
 
     name = "local"
 
+    @staticmethod
+    def placement_timeout() -> None:
+        """Placing processes here does not wait for anything."""
+        return None
+
     def open(self, size: int) -> list[tuple[str, str]]:
         """(host name, host:port for TF_CONFIG) of each rank."""
         return [(os.uname().nodename, f"127.0.0.1:{free_port()}") for _ in range(size)]
 
     def spawn(self, m: Member, cmd: list[str], env: dict, cwd: str, events) -> None:
         proc = spawn(cmd, env, cwd, m.log)
-        m.handle, m.pid = proc, proc.pid
+        m.handle, m.pid, m.identity = proc, proc.pid, identity_record(proc)
         watch_exit(proc, events, m, f"wait-rank-{m.rank}")
 
     def signal(self, m: Member, sig: int) -> None:
@@ -104,7 +114,7 @@ class GroupAttempt(Attempt):
 
     def start(self, from_epoch: int, path: dict | None = None) -> None:
         self.t0 = time.time()
-        places = self.engine.open(self.size)
+        places = self._place()
         cluster = {"worker": [addr for _, addr in places]}
         for rank, (host, _) in enumerate(places):
             m = Member(rank, host, self.rd.attempt_log(self.n, rank),
@@ -120,8 +130,28 @@ class GroupAttempt(Attempt):
         self.hang.start(self.n)
         self.journal.append(Event.ATTEMPT_STARTED, attempt=self.n, pid=chief.pid,
                             host=chief.host, from_epoch=from_epoch, log=self.log,
-                            engine=self.engine.name,
-                            workers=[m.describe() for m in self.members], **(path or {}))
+                            engine=self.engine.name, identity=chief.identity,
+                            workers=[m.describe(identity=True) for m in self.members],
+                            **(path or {}))
+
+    def _place(self) -> list[tuple[str, str]]:
+        """The engine places the ranks; the wait is journaled before (with its bound) and
+        after (how long it took, or why it failed), so that a wait for resources is seen."""
+        where = dict(attempt=self.n, engine=self.engine.name, workers=self.size)
+        self.journal.append(Event.GROUP_PLACING, **where,
+                            timeout_s=self.engine.placement_timeout())
+        t0 = time.monotonic()
+        try:
+            places = self.engine.open(self.size)
+        except EngineUnavailable as exc:
+            self.journal.append(Event.GROUP_PLACED, **where, placed=False,
+                                wait_s=round(time.monotonic() - t0, 3), reason=str(exc))
+            raise
+        self.journal.append(Event.GROUP_PLACED, **where, placed=True,
+                            wait_s=round(time.monotonic() - t0, 3),
+                            hosts=[host for host, _ in places],
+                            addresses=[address for _, address in places])
+        return places
 
     def _exited(self, item) -> int | None:
         if not isinstance(item, Exited) or item.key not in self.members:

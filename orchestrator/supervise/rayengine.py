@@ -18,17 +18,26 @@ else ``RAY_ADDRESS``, else a local Ray started by ``ray.init()``.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import threading
 
-from orchestrator.core.rundir import ENV_RAY_PLACEMENT_TIMEOUT
+from orchestrator.core.events import Event
+from orchestrator.supervise import rayconnect
+
+from orchestrator.supervise.attempt import identity_record, spawn
 from orchestrator.supervise.group import EngineUnavailable, Member, free_port
 from orchestrator.supervise.messages import Exited
 
 # What Ray sets in an actor for the resources of its bundle; the worker must see the same.
 RAY_DEVICE_ENV = ("CUDA_VISIBLE_DEVICES", "TPU_VISIBLE_CHIPS", "TPU_CHIPS_PER_HOST_BOUNDS",
                   "NEURON_RT_VISIBLE_CORES")
+
+
+# Bounds of the two waits before a group's first step, in seconds (journaled with each wait).
+CONNECT_TIMEOUT_ENV = "ORCHESTRATOR_RAY_CONNECT_TIMEOUT"
+from orchestrator.core.rundir import ENV_RAY_PLACEMENT_TIMEOUT as PLACEMENT_TIMEOUT_ENV  # noqa: E402
 
 
 class RayUnavailable(EngineUnavailable):
@@ -46,19 +55,15 @@ def _host_class(ray):
         def place(self) -> tuple[str, str]:
             import socket
 
-            ip = ray.util.get_node_ip_address()
-            return socket.gethostname(), f"{ip}:{free_port('0.0.0.0')}"
+            ip = ray.util.get_node_ip_address()  # 127.0.0.1 for a one-node Ray on loopback
+            return socket.gethostname(), f"{ip}:{free_port(ip)}"
 
-        def start(self, cmd: list, env: dict, cwd: str, log: str) -> int:
-            import subprocess
-
+        def start(self, cmd: list, env: dict, cwd: str, log: str) -> tuple:
+            """(pid, identity): taken here, on its node, where its /proc is."""
             env = dict(env, **{k: v for k, v in os.environ.items() if k in RAY_DEVICE_ENV})
             os.makedirs(os.path.dirname(log), exist_ok=True)
-            with open(log, "ab") as f:
-                self.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT,
-                                             stdin=subprocess.DEVNULL, start_new_session=True,
-                                             env=env, cwd=cwd)
-            return self.proc.pid
+            self.proc = spawn(cmd, env, cwd, log)
+            return self.proc.pid, identity_record(self.proc)
 
         def wait(self, error_record: str, log: str) -> tuple:
             rc = self.proc.wait()
@@ -101,21 +106,24 @@ def _host_class(ray):
 class RayEngine:
     name = "ray"
 
-    def __init__(self, address: str | None, resources: dict, say=print):
-        try:
-            import ray
-        except ImportError as exc:
-            raise RayUnavailable("engine: ray needs Ray: pip install 'orchestrator[ray]'") \
-                from exc
-        self.ray, self.resources, self.say = ray, dict(resources), say
+    def __init__(self, address: str | None, resources: dict, say=print, journal=None):
+        """Connect as Ray's driver (rayconnect.py: bounded by ``CONNECT_TIMEOUT_ENV``, in the
+        cluster's authentication mode), journaled either way."""
+        if importlib.util.find_spec("ray") is None:
+            raise RayUnavailable("engine: ray needs Ray: pip install 'orchestrator[ray]'")
+        self.resources, self.say, self.journal = dict(resources), say, journal
         address = address or os.environ.get("RAY_ADDRESS") or None
-        if not ray.is_initialized():
-            try:
-                ray.init(address=address, ignore_reinit_error=True, include_dashboard=False,
-                         log_to_driver=False, configure_logging=False)
-            except (ConnectionError, RuntimeError, ValueError) as exc:
-                raise RayUnavailable(f"cannot connect to Ray at {address or 'a new local Ray'}:"
-                                     f" {exc}") from exc
+        timeout = float(os.environ.get(CONNECT_TIMEOUT_ENV, "60"))
+        try:
+            info = rayconnect.connect(address, timeout, include_dashboard=False,
+                                      log_to_driver=False, configure_logging=False)
+        except rayconnect.ConnectError as exc:
+            self._journal(Event.ENGINE_UNAVAILABLE, address=address, reason=str(exc))
+            raise RayUnavailable(str(exc)) from exc
+        self._journal(Event.ENGINE_CONNECTED, timeout_s=timeout, **info)
+        import ray
+
+        self.ray = ray
         self.Host = _host_class(ray)
         self.pg = None
         self.hosts: list = []
@@ -126,7 +134,7 @@ class RayEngine:
 
         self.close()
         self.pg = placement_group([dict(self.resources)] * size, strategy="SPREAD")
-        timeout = float(os.environ.get(ENV_RAY_PLACEMENT_TIMEOUT, "120"))
+        timeout = self.placement_timeout()
         if not self.pg.wait(timeout):
             raise RayUnavailable(f"Ray could not place {size} worker(s) of {self.resources} "
                                  f"each within {timeout:.0f} s (ray status shows what it has)")
@@ -139,10 +147,18 @@ class RayEngine:
                 self.pg, placement_group_bundle_index=i)).remote() for i in range(size)]
         return [tuple(p) for p in self.ray.get([h.place.remote() for h in self.hosts])]
 
+    @staticmethod
+    def placement_timeout() -> float:
+        return float(os.environ.get(PLACEMENT_TIMEOUT_ENV, "120"))
+
+    def _journal(self, event: str, **fields) -> None:
+        if self.journal is not None:
+            self.journal.append(event, engine=self.name, **fields)
+
     def spawn(self, m: Member, cmd: list[str], env: dict, cwd: str, events) -> None:
         host = self.hosts[m.rank]
         m.handle = host
-        m.pid = self.ray.get(host.start.remote(cmd, env, cwd, m.log))
+        m.pid, m.identity = self.ray.get(host.start.remote(cmd, env, cwd, m.log))
         pending = host.wait.remote(m.error_record, m.log)
 
         def watch():

@@ -37,7 +37,7 @@ from orchestrator.core.standbymode import StandbyMode
 from orchestrator.recovery.failures import read_tail
 from orchestrator.recovery.policy import is_preemption
 from orchestrator.supervise import standby_policy
-from orchestrator.supervise.attempt import spawn, watch_exit
+from orchestrator.supervise.attempt import identity_record, spawn, watch_exit
 
 ON = StandbyMode.ON            # the job's setting: a standby wherever the device allows one
 WARM, IMPORT_ONLY = StandbyMode.WARM, StandbyMode.IMPORT_ONLY
@@ -91,6 +91,7 @@ class Standby:
         self.t0 = time.time()
         self.proc = proc = spawn(self.cmd, self.env, self.cwd, self.log, stdin=subprocess.PIPE)
         self.journal.append(Event.STANDBY_STARTED, for_attempt=self.for_attempt, pid=proc.pid,
+                            host=os.uname().nodename, identity=identity_record(proc),
                             mode=self.mode, log=self.log)
         # the same queue and item as an attempt's: once promoted, Attempt.wait sees its exit
         watch_exit(proc, self.events, proc, f"wait-standby-{self.for_attempt}")

@@ -341,7 +341,8 @@ class Supervisor:
         if self.spec.engine == "ray":
             from orchestrator.supervise.rayengine import RayEngine
 
-            return RayEngine(self.spec.address, dict(self.spec.worker_resources), self.say)
+            return RayEngine(self.spec.address, dict(self.spec.worker_resources), self.say,
+                             journal=self.journal)
         return LocalEngine()
 
     def _group_restore_step(self) -> str:
