@@ -454,9 +454,12 @@ def main(argv=None) -> int:
         from orchestrator.train import standby
 
         return standby.serve(spec, rd, args.attempt, args.standby, notice, t_start)
+    from orchestrator.train import backends
+
     progress = Position()
-    return guarded(rd, args.attempt, progress,
-                    lambda: _cold(spec, rd, args.attempt, progress, t_start, notice))
+    return backends.leave(guarded(rd, args.attempt, progress,
+                                  lambda: _cold(spec, rd, args.attempt, progress, t_start,
+                                                notice)))
 
 
 if __name__ == "__main__":
