@@ -72,6 +72,21 @@ def test_a_rank_s_validation_rows_are_its_part_of_every_whole_global_batch():
     assert list(rank_rows_of(5, 8, slice(0, 4))) == []
 
 
+def test_a_tf_data_job_s_ranks_together_feed_exactly_its_global_batches():
+    tf = pytest.importorskip("tensorflow")
+    from orchestrator.train.backends.jax_backend import _rank_part
+    from orchestrator.train.datasets import JobData, train_dataset
+
+    x, y = _xy(19)
+    data = JobData(tf.data.Dataset.from_tensor_slices((x, y)), None, 19)
+    ids = lambda ds: [list(b[1].numpy()) for b in ds]  # noqa: E731
+    whole = ids(train_dataset(data, 3, 0, 2, 8, drop_remainder=True))
+    parts = [ids(_rank_part(train_dataset(data, 3, 0, 2, 8, True),
+                            cluster(_tf_config(r)).rows(8))) for r in (0, 1)]
+    assert len(whole) == 4 and [a + b for a, b in zip(*parts)] == whole
+    assert {len(b) for b in parts[1]} == {4}
+
+
 class _Spanning:
     """A jax.Array over several processes' devices, as far as ``local_value`` asks."""
 
