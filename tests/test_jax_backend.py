@@ -208,3 +208,60 @@ def test_exact_resume_is_promised_only_where_it_was_measured():
                                               TensorFlowBackend.exact_on)
     assert exactness(on("CPU x8"), True, TensorFlowBackend.exact_on) is None
     assert exactness(on("CPU"), False, JaxBackend.exact_on) == "deterministic is off"
+
+
+# A process joins a (one-rank) group on 127.0.0.1 with SIGTERM handled by Python, as the worker's
+# is (preemption.py); then it is sent SIGTERM and lists what it listens on.
+_JOIN = textwrap.dedent("""
+    import os, signal, sys, time
+    got = []
+    signal.signal(signal.SIGTERM, lambda s, f: got.append(s))
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    from orchestrator.train.backends.jax_backend import join_group
+    from orchestrator.train.multiworker import Cluster
+    join_group(Cluster(0, 1, (sys.argv[1],)))
+    import jax
+    jax.numpy.ones(2).block_until_ready()  # the CPU client exists, with its collectives
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(0.5)
+    mine = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            mine.add(os.readlink(f"/proc/self/fd/{fd}"))
+        except FileNotFoundError:  # the listing's own descriptor, closed since
+            continue
+    listening = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in open(table).read().splitlines()[1:]:
+            local, state, inode = line.split()[1], line.split()[3], line.split()[9]
+            if state == "0A" and f"socket:[{inode}]" in mine:  # LISTEN, ours
+                listening.append(local)
+    print("SIGTERM", bool(got), "LISTEN", " ".join(listening), flush=True)
+    os._exit(0)
+""")
+
+
+def _loopback(hex_address: str) -> bool:
+    """/proc/net/tcp's ``ADDR:PORT`` in hex: 127.0.0.1 (``0100007F``), or IPv4-mapped or ::1
+    in tcp6."""
+    addr = hex_address.split(":")[0]
+    return addr == "0100007F" or addr.endswith("0100007F") and "FFFF" in addr or \
+        addr == "00000000000000000000000001000000"
+
+
+@pytest.mark.e2e
+def test_a_rank_listens_on_its_group_s_addresses_only_and_sigterm_stays_the_worker_s(tmp_path):
+    """join_group binds the coordination service to rank 0's address (JAX's default: every
+    interface) and leaves SIGTERM to the worker's handler (JAX's preemption service would take
+    it: the emergency checkpoint would never run)."""
+    from orchestrator.supervise.group import free_port
+
+    env = dict(os.environ, PYTHONPATH=ROOT, KERAS_BACKEND="jax")
+    p = subprocess.run([sys.executable, "-c", _JOIN, f"127.0.0.1:{free_port()}"],
+                       cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=120)
+    line = next((ln for ln in p.stdout.splitlines() if ln.startswith("SIGTERM")), None)
+    assert line is not None, p.stdout + p.stderr
+    words = line.split()
+    assert words[1] == "True", line  # the worker's handler ran
+    listening = words[3:]
+    assert listening and all(_loopback(a) for a in listening), line
