@@ -5,6 +5,10 @@ one placement-group bundle per worker). Rank 1 is SIGKILLed in the middle of an 
 is stopped, restarted from the newest checkpoint, and ends with the weights of an uninterrupted
 2-worker run. A hang of one rank stalls the group; rank 0's silent heartbeat stops it.
 Where Ray is not installed the Ray test is skipped with the reason.
+
+On JAX (``backend: jax``) the same group is one ``jax.distributed`` program under
+``keras.distribution.DataParallel``: its uninterrupted run ends with the weights of one process
+with two CPU devices, and the killed run with those of the uninterrupted one.
 """
 import contextlib
 import os
@@ -74,6 +78,26 @@ def reference(tmp_path_factory):
 # Ray keeps 127.0.0.1 for a driver instead of mapping it to the machine's interface address).
 RAY_TOKEN = "orchestrator-suite-" + os.urandom(8).hex()
 LOOPBACK_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+
+
+@pytest.fixture(scope="module")
+def reference_jax(tmp_path_factory):
+    """The uninterrupted 2-worker run on JAX, which ends as one process with 2 CPU devices."""
+    sha = {}
+    for workers in (2, 1):
+        tmp = tmp_path_factory.mktemp(f"ref-jax-{workers}")
+        job = _job(tmp, "backend: jax\nstandby: off\n")
+        env = dict(os.environ, ORCHESTRATOR_CPU_DEVICES=str(3 - workers))  # 2 devices in all
+        p = _run(job, tmp / "run", "--workers", str(workers), env=env)
+        out, _ = p.communicate(timeout=300)
+        assert p.returncode == 0, out
+        journal = Journal(str(tmp / "run" / "events.jsonl"))
+        ready = journal.events("worker_ready")[0]
+        assert ready["backend"] == "jax" and ready["replicas"] == 2, ready
+        assert ready["global_batch"] == 32 and ready["steps_per_epoch"] == 1438 // 32
+        sha[workers] = journal.events("run_completed")[0]["weights_sha256"]
+    assert sha[2] == sha[1]  # 2 processes x 1 device train as 1 process x 2 devices
+    return sha[2]
 
 
 @pytest.fixture(scope="module")
@@ -194,3 +218,20 @@ def test_ray_without_the_clusters_token_is_one_line_and_an_exit(tmp_path, ray_ad
         in lines[0], out
     gone = Journal(str(live(job, run).journal)).events("engine_unavailable")
     assert len(gone) == 1 and "no token was found" in gone[0]["reason"]
+
+
+def test_jax_local_engine_rank_1_killed_then_a_rank_s_error_ends_bit_identical(tmp_path,
+                                                                              reference_jax):
+    """JAX, local engine. Attempt 1: rank 1 SIGKILLed mid-epoch 2. Attempt 2: a rank raises a
+    storage error at step 80: it leaves at once (not after JAX's 300 s shutdown barrier, which
+    the hang clock would call a hang), the group is stopped. Attempt 3 completes. Every attempt
+    joins a new coordination service."""
+    job = _job(tmp_path, "backend: jax\nhang_timeout: 20\n")
+    events = _kill_rank_1_mid_epoch(job, tmp_path / "run", "local", reference_jax,
+                                    args=("--fault", "raise=storage@step=80"))
+    assert [e["kind"] for e in events if e["event"] == "attempt_ended"] == \
+        ["killed", "storage", None]
+    ready = [e for e in events if e["event"] == "worker_ready"]
+    coordinators = [e["distributed"]["coordinator"] for e in ready]
+    assert len(ready) == 3 and len(set(coordinators)) == 3, coordinators
+    assert all(c.startswith("127.0.0.1:") for c in coordinators)

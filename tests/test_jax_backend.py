@@ -1,5 +1,6 @@
 """The JAX backend's own pieces: the data order, the compile cache, and (in a JAX process with
 TensorFlow blocked) the state read mid-``fit`` and the seeding."""
+import json
 import os
 import subprocess
 import sys
@@ -9,7 +10,8 @@ import numpy as np
 import pytest
 
 from helpers import ROOT
-from orchestrator.train.backends.jax_backend import array_batches
+from orchestrator.train.backends.jax_backend import array_batches, local_value, rank_rows_of
+from orchestrator.train.multiworker import cluster
 from orchestrator.train.compile_cache import CompileCache
 
 
@@ -37,6 +39,73 @@ def test_drop_remainder_leaves_out_the_partial_batch_a_device_split_cannot_take(
     x, y = _xy()
     run = _ids(array_batches(x, y, 0, 0, 1, 4, drop_remainder=True))
     assert [len(b) for b in run] == [4, 4]
+
+
+def _tf_config(rank, addresses=("127.0.0.1:4001", "127.0.0.1:4002")):
+    return {"TF_CONFIG": json.dumps({"cluster": {"worker": list(addresses)},
+                                     "task": {"type": "worker", "index": rank}})}
+
+
+def test_a_group_s_coordinator_is_rank_0_s_address_and_each_rank_listens_on_its_own_host():
+    ranks = [cluster(_tf_config(r, ("127.0.0.1:4001", "10.0.0.2:4002"))) for r in (0, 1)]
+    assert [c.coordinator for c in ranks] == ["127.0.0.1:4001"] * 2
+    assert [c.host for c in ranks] == ["127.0.0.1", "10.0.0.2"]
+
+
+def test_the_ranks_together_feed_exactly_the_global_batches_of_one_process():
+    """Rank r feeds rows [r * per_rank, (r + 1) * per_rank) of every global batch: what lands
+    on its devices when one process holds them all."""
+    x, y = _xy(19)
+    whole = _ids(array_batches(x, y, 3, 0, 2, 8, drop_remainder=True, skip_batches=1))
+    ranks = [cluster(_tf_config(r)) for r in (0, 1)]
+    parts = [_ids(array_batches(x, y, 3, 0, 2, 8, True, skip_batches=1, rows=c.rows(8)))
+             for c in ranks]
+    assert [len(b) for b in parts[0]] == [4] * len(whole)  # the uneven last batch is dropped
+    assert [a + b for a, b in zip(*parts)] == whole
+    with pytest.raises(ValueError, match="cannot be split evenly over 2 workers"):
+        ranks[0].rows(7)
+
+
+def test_a_rank_s_validation_rows_are_its_part_of_every_whole_global_batch():
+    parts = [list(rank_rows_of(19, 8, cluster(_tf_config(r)).rows(8))) for r in (0, 1)]
+    assert parts == [[0, 1, 2, 3, 8, 9, 10, 11], [4, 5, 6, 7, 12, 13, 14, 15]]  # 16.. dropped
+    assert list(rank_rows_of(5, 8, slice(0, 4))) == []
+
+
+def test_a_tf_data_job_s_ranks_together_feed_exactly_its_global_batches():
+    tf = pytest.importorskip("tensorflow")
+    from orchestrator.train.backends.jax_backend import _rank_part
+    from orchestrator.train.datasets import JobData, train_dataset
+
+    x, y = _xy(19)
+    data = JobData(tf.data.Dataset.from_tensor_slices((x, y)), None, 19)
+    ids = lambda ds: [list(b[1].numpy()) for b in ds]  # noqa: E731
+    whole = ids(train_dataset(data, 3, 0, 2, 8, drop_remainder=True))
+    parts = [ids(_rank_part(train_dataset(data, 3, 0, 2, 8, True),
+                            cluster(_tf_config(r)).rows(8))) for r in (0, 1)]
+    assert len(whole) == 4 and [a + b for a, b in zip(*parts)] == whole
+    assert {len(b) for b in parts[1]} == {4}
+
+
+class _Spanning:
+    """A jax.Array over several processes' devices, as far as ``local_value`` asks."""
+
+    is_fully_addressable = False
+    shape, sharding = (2,), "NamedSharding(P('batch'))"
+
+    def __init__(self, replicated):
+        self.is_fully_replicated = replicated
+
+    def addressable_data(self, i):
+        return f"local shard {i}"
+
+
+def test_a_replicated_variable_is_read_from_this_process_s_own_copy():
+    assert local_value(_Spanning(replicated=True)) == "local shard 0"
+    here = np.arange(3)
+    assert local_value(here) is here  # all on this process: as it is
+    with pytest.raises(ValueError, match="sharded over other processes' devices"):
+        local_value(_Spanning(replicated=False))
 
 
 def test_the_compile_cache_is_pulled_on_a_new_disk_and_pushed_after_compiling(tmp_path):
@@ -139,3 +208,60 @@ def test_exact_resume_is_promised_only_where_it_was_measured():
                                               TensorFlowBackend.exact_on)
     assert exactness(on("CPU x8"), True, TensorFlowBackend.exact_on) is None
     assert exactness(on("CPU"), False, JaxBackend.exact_on) == "deterministic is off"
+
+
+# A process joins a (one-rank) group on 127.0.0.1 with SIGTERM handled by Python, as the worker's
+# is (preemption.py); then it is sent SIGTERM and lists what it listens on.
+_JOIN = textwrap.dedent("""
+    import os, signal, sys, time
+    got = []
+    signal.signal(signal.SIGTERM, lambda s, f: got.append(s))
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    from orchestrator.train.backends.jax_backend import join_group
+    from orchestrator.train.multiworker import Cluster
+    join_group(Cluster(0, 1, (sys.argv[1],)))
+    import jax
+    jax.numpy.ones(2).block_until_ready()  # the CPU client exists, with its collectives
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(0.5)
+    mine = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            mine.add(os.readlink(f"/proc/self/fd/{fd}"))
+        except FileNotFoundError:  # the listing's own descriptor, closed since
+            continue
+    listening = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in open(table).read().splitlines()[1:]:
+            local, state, inode = line.split()[1], line.split()[3], line.split()[9]
+            if state == "0A" and f"socket:[{inode}]" in mine:  # LISTEN, ours
+                listening.append(local)
+    print("SIGTERM", bool(got), "LISTEN", " ".join(listening), flush=True)
+    os._exit(0)
+""")
+
+
+def _loopback(hex_address: str) -> bool:
+    """/proc/net/tcp's ``ADDR:PORT`` in hex: 127.0.0.1 (``0100007F``), or IPv4-mapped or ::1
+    in tcp6."""
+    addr = hex_address.split(":")[0]
+    return addr == "0100007F" or addr.endswith("0100007F") and "FFFF" in addr or \
+        addr == "00000000000000000000000001000000"
+
+
+@pytest.mark.e2e
+def test_a_rank_listens_on_its_group_s_addresses_only_and_sigterm_stays_the_worker_s(tmp_path):
+    """join_group binds the coordination service to rank 0's address (JAX's default: every
+    interface) and leaves SIGTERM to the worker's handler (JAX's preemption service would take
+    it: the emergency checkpoint would never run)."""
+    from orchestrator.supervise.group import free_port
+
+    env = dict(os.environ, PYTHONPATH=ROOT, KERAS_BACKEND="jax")
+    p = subprocess.run([sys.executable, "-c", _JOIN, f"127.0.0.1:{free_port()}"],
+                       cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=120)
+    line = next((ln for ln in p.stdout.splitlines() if ln.startswith("SIGTERM")), None)
+    assert line is not None, p.stdout + p.stderr
+    words = line.split()
+    assert words[1] == "True", line  # the worker's handler ran
+    listening = words[3:]
+    assert listening and all(_loopback(a) for a in listening), line

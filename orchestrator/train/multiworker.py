@@ -11,6 +11,11 @@ worker's address and this one's index; rank 0 is the chief. Under MWMS:
 - every rank restores the one step the supervisor names (``ORCHESTRATOR_RESTORE_STEP``), so
   that no rank resumes from a checkpoint another rank cannot see.
 
+On JAX the same ``TF_CONFIG`` makes the ranks one ``jax.distributed`` program (rank 0's address
+is the coordinator: ``Cluster.coordinator``) under ``keras.distribution.DataParallel``, each rank
+feeding its own rows of every global batch (``Cluster.rows``); the rest is
+``backends/jax_backend.py``'s.
+
 Keras 3 (3.15 here) cannot ``fit`` under MWMS as it ships: the first batch is reduced with
 ``strategy.reduce(MEAN)`` outside a ``tf.function`` to build the model symbolically, and each
 step's scalar logs with ``reduce(MEAN, axis=0)``; both raise ``ValueError`` ("Attempt to convert
@@ -37,6 +42,29 @@ class Cluster:
     @property
     def chief(self) -> bool:
         return self.rank == 0
+
+    @property
+    def coordinator(self) -> str:
+        """Rank 0's address: where JAX's coordination service listens (jax.distributed). The
+        supervisor picks a free port for every rank of every attempt, so a restarted group
+        never meets the service of a dead one."""
+        return self.addresses[0]
+
+    @property
+    def host(self) -> str:
+        """This rank's own host, as the engine placed it (loopback for the local engine, the
+        node's address under Ray): what this rank's own listening sockets bind to."""
+        return self.addresses[self.rank].rsplit(":", 1)[0]
+
+    def rows(self, global_batch: int) -> slice:
+        """This rank's rows of every global batch, when each rank feeds its own part (JAX):
+        rank r takes rows [r * per_rank, (r + 1) * per_rank), the rows that land on its devices
+        when one process holds them all, so N ranks train as one process with N devices."""
+        if global_batch % self.size:
+            raise ValueError(f"a global batch of {global_batch} cannot be split evenly over "
+                             f"{self.size} workers")
+        per_rank = global_batch // self.size
+        return slice(self.rank * per_rank, (self.rank + 1) * per_rank)
 
 
 def cluster(env=None) -> Cluster | None:

@@ -459,9 +459,12 @@ def main(argv=None) -> int:
         return standby.serve(spec, rd, args.attempt, args.standby, notice, t_start,
                              SimpleNamespace(configure=configure, guarded=guarded,
                                              prepare=prepare, run=run))
+    from orchestrator.train import backends
+
     progress = Position()
-    return guarded(rd, args.attempt, progress,
-                    lambda: _cold(spec, rd, args.attempt, progress, t_start, notice))
+    return backends.leave(guarded(rd, args.attempt, progress,
+                                  lambda: _cold(spec, rd, args.attempt, progress, t_start,
+                                                notice)))
 
 
 if __name__ == "__main__":

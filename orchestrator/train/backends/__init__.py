@@ -83,3 +83,9 @@ def current():
     if keras is not None:
         return for_name(keras.backend.backend())
     return for_name(os.environ.get(names.KERAS_BACKEND_ENV) or names.AUTO)
+
+
+def leave(rc: int) -> int:
+    """The worker's exit status, once its attempt ended; a failed rank of a JAX group does not
+    return from here (it exits at once: ``JaxBackend.leave`` says why)."""
+    return _current.leave(rc) if _current is not None else rc

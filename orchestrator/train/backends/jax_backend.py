@@ -18,6 +18,10 @@ What differs from TensorFlow, and why:
   ``deterministic: true``. Several devices train under ``keras.distribution.DataParallel``
   (one replica per device); the last partial batch is dropped there, as on a TPU, because it
   cannot be split evenly across the devices.
+- **Several workers** (``workers: N``) are one JAX program over N processes
+  (``jax.distributed``, ``join_group``) under ``keras.distribution.DataParallel`` over every
+  process's devices; each rank feeds only its own rows of every global batch
+  (``Cluster.rows``), so N processes train exactly as one process with N devices would.
 - **Compilation is most of a cold start** (digits: 11-17 s to the first step without a
   cache, 5 s with a warm one). The persistent compile cache lives in the local tier and is
   mirrored to the run directory (``compile_cache.py``), so a recovery and a recycled VM start
@@ -59,10 +63,11 @@ class _Replicated:
 
 
 def array_batches(x, y, seed: int, begin: int, end: int, global_batch: int,
-                  drop_remainder: bool, skip_batches: int = 0):
+                  drop_remainder: bool, skip_batches: int = 0, rows: slice | None = None):
     """Batches of epochs ``begin .. end-1`` of in-memory ``(x, y)``, each epoch in the order of
     a permutation drawn from ``(seed, epoch)`` alone, less the first ``skip_batches`` of
-    ``begin``. A generator: ``fit`` draws exactly ``steps_per_epoch`` batches per epoch."""
+    ``begin``. A generator: ``fit`` draws exactly ``steps_per_epoch`` batches per epoch.
+    ``rows``: only these rows of every global batch (a rank of a group feeds its own part)."""
     n = len(y)
     last = n - global_batch + 1 if drop_remainder else n
     for epoch in range(begin, end):
@@ -71,7 +76,58 @@ def array_batches(x, y, seed: int, begin: int, end: int, global_batch: int,
             if epoch == begin and i < skip_batches:
                 continue
             idx = order[start:start + global_batch]
+            if rows is not None:
+                idx = idx[rows]
             yield x[idx], y[idx]
+
+
+def rank_rows_of(n: int, global_batch: int, rows: slice) -> np.ndarray:
+    """The indices of ``rows`` of every whole global batch of ``n`` examples in order (a rank's
+    part of the validation data); a partial last batch is left out."""
+    starts = np.arange(n // global_batch)[:, None] * global_batch
+    return (starts + np.arange(global_batch)[rows][None, :]).ravel()
+
+
+def join_group(group) -> None:
+    """Make this process rank ``group.rank`` of one JAX program over ``group.size`` processes,
+    before anything initialises JAX's devices (``jax.distributed.initialize`` must come
+    first), with every socket pinned to the addresses the engine gave the group:
+
+    - the coordination service runs in rank 0 on rank 0's address, bound to exactly that
+      address (JAX's default binds every interface, ``[::]:port``); cluster auto-detection is
+      off (SLURM, MPI or a TPU pod's metadata would override what the supervisor says);
+    - the CPU collectives (gloo) listen on this rank's own host (JAX's default resolves the
+      machine's hostname, which is not loopback where the engine placed the group on it);
+    - JAX's preemption service is off: it takes SIGTERM, and the worker's own SIGTERM
+      handling (the emergency checkpoint, ``preemption.py``) must keep it.
+
+    A restarted group gets fresh ports from the supervisor (``supervise/group.py``), and the
+    old service died with the old rank 0, which the supervisor killed."""
+    import jax
+
+    jax.config.update("jax_enable_preemption_service", False)
+    jax.distributed.initialize(coordinator_address=group.coordinator,
+                               num_processes=group.size, process_id=group.rank,
+                               coordinator_bind_address=group.coordinator,
+                               cluster_detection_method="deactivate")
+    _pin_cpu_collectives(group.host)
+
+
+def _pin_cpu_collectives(host: str) -> None:
+    """JAX's CPU client with gloo bound to ``host``: JAX offers no setting for the address
+    gloo listens on (it calls ``make_gloo_tcp_collectives`` without a hostname), so the CPU
+    backend's factory is registered again with the collectives made here; JAX creates the
+    client from it at the first device query."""
+    import functools
+
+    from jax._src import distributed, xla_bridge
+    from jaxlib import _jax
+
+    collectives = _jax.make_gloo_tcp_collectives(distributed.global_state.client,
+                                                 hostname=host)
+    xla_bridge.register_backend_factory(
+        "cpu", functools.partial(xla_bridge.make_cpu_client, collectives=collectives),
+        priority=0, fail_quietly=False)
 
 
 class JaxBackend:
@@ -81,6 +137,7 @@ class JaxBackend:
     exact_on = ("CPU", "GPU")
     cache = None  # compile_cache.CompileCache, once configured for a run
     traced_reader = False  # Snapshot.warm traces the reader before the first checkpoint
+    group = None  # multiworker.Cluster, once this process joined its group (placement)
 
     def import_framework(self) -> None:
         """Import JAX and Keras on it, or say in one line what to install."""
@@ -144,11 +201,16 @@ class JaxBackend:
             self.cache.push_soon()
 
     def facts(self) -> dict:
-        """For ``worker_ready``: the compile cache this worker started with."""
-        if self.cache is None:
-            return {}
-        return {"compile_cache": {"dir": self.cache.local, "pulled": self._pulled,
-                                  "entries_at_start": self._entries_at_start}}
+        """For ``worker_ready``: the compile cache this worker started with; in a group, the
+        coordination service it joined (a restarted group's is a new one)."""
+        facts = {}
+        if self.cache is not None:
+            facts["compile_cache"] = {"dir": self.cache.local, "pulled": self._pulled,
+                                      "entries_at_start": self._entries_at_start}
+        if self.group is not None:
+            facts["distributed"] = {"coordinator": self.group.coordinator,
+                                    "processes": self.group.size, "process": self.group.rank}
+        return facts
 
     def seed(self, seed: int, deterministic: bool) -> None:
         """``keras.utils.set_random_seed`` without its TensorFlow import: the global seed Keras
@@ -170,10 +232,9 @@ class JaxBackend:
 
         from orchestrator.train.accelerators import AcceleratorUnavailable
 
-        if group is not None:
-            raise AcceleratorUnavailable(
-                "several workers (workers: N) on the JAX backend are not supported yet; "
-                "train on one worker, or on backend: tensorflow")
+        if group is not None and self.group is None:
+            join_group(group)
+            self.group = group
         devices = jax.devices()
         platform = devices[0].platform
         wanted = {"tpu": "tpu", "gpu": "gpu"}.get(spec.strategy)
@@ -185,10 +246,15 @@ class JaxBackend:
         kind = {"tpu": "TPU", "gpu": "GPU", "cuda": "GPU", "rocm": "GPU"}.get(platform, "CPU")
         is_tpu = kind == "TPU"
         if len(devices) > 1:
-            dp = keras.distribution.DataParallel(devices=devices)
+            # in a group every rank feeds its own rows (Cluster.rows): Keras must not shard
+            # the data again (it would insist on a tf.data dataset to shard)
+            dp = keras.distribution.DataParallel(devices=devices,
+                                                 auto_shard_dataset=self.group is None)
             keras.distribution.set_distribution(dp)
+            where = "" if self.group is None else \
+                f", {self.group.size} processes, rank {self.group.rank}"
             return Placement(_Replicated(dp, len(devices)),
-                             f"{kind} x{len(devices)} (JAX DataParallel)", len(devices),
+                             f"{kind} x{len(devices)} (JAX DataParallel{where})", len(devices),
                              is_tpu, plain=False, drop_remainder=True)
         return Placement(_Replicated(), f"{kind} (JAX, {devices[0].device_kind})", 1, is_tpu,
                          plain=kind == "CPU", drop_remainder=is_tpu)
@@ -197,26 +263,36 @@ class JaxBackend:
                    drop_remainder: bool, skip_batches: int = 0):
         from orchestrator.train import datasets
 
+        rows = self.group.rows(global_batch) if self.group is not None else None
         if datasets.is_tf_dataset(data.train):  # TensorFlow is installed: the job made one
-            return datasets.train_dataset(data, seed, begin, end, global_batch, drop_remainder,
-                                          skip_batches=skip_batches)
+            ds = datasets.train_dataset(data, seed, begin, end, global_batch, drop_remainder,
+                                        skip_batches=skip_batches)
+            return ds if rows is None else _rank_part(ds, rows)
         x, y = data.train
         return array_batches(x, y, seed, begin, end, global_batch, drop_remainder,
-                             skip_batches)
+                             skip_batches, rows=rows)
 
     def validation_data(self, data, global_batch: int, drop_remainder: bool):
         from orchestrator.train import datasets
 
         if data.validation is None or datasets.is_tf_dataset(data.validation):
-            return datasets.validation_dataset(data, global_batch, drop_remainder)
+            ds = datasets.validation_dataset(data, global_batch, drop_remainder)
+            return ds if ds is None or self.group is None else \
+                _rank_part(ds, self.group.rows(global_batch))
         x, y = data.validation
+        if self.group is not None:  # this rank's rows of every whole global batch
+            idx = rank_rows_of(len(y), global_batch, self.group.rows(global_batch))
+            return x[idx], y[idx]
         if drop_remainder:
             keep = len(y) - len(y) % global_batch
             x, y = x[:keep], y[:keep]
         return x, y
 
     def fit_options(self, global_batch: int) -> dict:
-        return {"validation_batch_size": global_batch, "shuffle": False}  # ours, by (seed, epoch)
+        """The validation arrays in batches of what this process feeds (a rank of a group: its
+        part of the global batch); the training order is ours, by (seed, epoch)."""
+        per_process = global_batch // (self.group.size if self.group is not None else 1)
+        return {"validation_batch_size": per_process, "shuffle": False}
 
     def validation_sample(self, val, global_batch: int):
         """One validation batch of the real shape (the standby's traced step compiles the
@@ -231,10 +307,24 @@ class JaxBackend:
         return (ValueError, TypeError)
 
     def reader(self, variables):
-        """Every variable's value in one transfer to the host."""
+        """Every variable's value in one transfer to the host. In a group a variable spans
+        every process's devices; it is replicated (DataParallel), so this process's own copy
+        is the value, read without the other processes (``local_value``)."""
         import jax
 
-        return lambda: jax.device_get([v.value for v in variables])
+        return lambda: jax.device_get([local_value(v.value) for v in variables])
+
+    def leave(self, rc: int) -> int:
+        """A rank of a group that failed exits at once: JAX's exit hook would otherwise wait
+        in a shutdown barrier for every rank (300 s), while the others wait in a collective
+        for this one: the supervisor would see no exit until the hang clock fired, and call
+        it a hang (measured: the failing rank sat 300 s in the barrier, then aborted). The
+        supervisor stops the other ranks when this one's exit reaches it."""
+        if rc != 0 and self.group is not None:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(rc)
+        return rc
 
     def can_export_saved_model(self) -> str | None:
         """Why a SavedModel cannot be written in this process, or None: Keras writes it from
@@ -249,3 +339,23 @@ class JaxBackend:
             return (f"TensorFlow, which writing a SavedModel from JAX needs, cannot be "
                     f"imported in the exporter process ({why})")
         return None
+
+
+def local_value(array):
+    """A replicated array's value from this process's own devices (its first addressable
+    shard); an array that is all on this process as it is. A variable sharded over other
+    processes' devices has no local whole value: say so rather than gather it."""
+    if getattr(array, "is_fully_addressable", True):
+        return array
+    if not array.is_fully_replicated:
+        raise ValueError(f"a variable of shape {array.shape} is sharded over other processes' "
+                         f"devices ({array.sharding}); a checkpoint reads replicated variables "
+                         f"only (DataParallel)")
+    return array.addressable_data(0)
+
+
+def _rank_part(ds, rows: slice):
+    """This rank's rows of every global batch of a ``tf.data`` pipeline."""
+    import tensorflow as tf
+
+    return ds.map(lambda *batch: tf.nest.map_structure(lambda t: t[rows], batch))
