@@ -44,8 +44,12 @@ def report(stream):
 
 standby.wait_for_promotion = report
 spec = load(sys.argv[1], run_dir=sys.argv[2], backend="jax")
+from types import SimpleNamespace
+from orchestrator.train import worker
+steps = SimpleNamespace(configure=worker.configure, guarded=worker.guarded,
+                        prepare=worker.prepare, run=worker.run)
 sys.exit(standby.serve(spec, RunDir.for_spec(spec).make(), 2, "import_only",
-                       PreemptionNotice(), time.time()))
+                       PreemptionNotice(), time.time(), steps))
 """
 
 

@@ -32,8 +32,8 @@ class TensorFlowBackend:
             raise JobError(
                 f"TensorFlow is not installed for {sys.executable}: install the extra "
                 f"`pip install 'orchestrator[cpu]'` (or '[tensorflow]' for GPU); on a Colab TPU "
-                f"runtime train on JAX (`backend: jax`), which the image ships; never install "
-                f"plain tensorflow there") from None
+                f"runtime train on JAX (`backend: jax`), which the image ships (no tensorflow-tpu "
+                f"fits today's image); never install plain tensorflow there") from None
 
     def versions(self) -> dict:
         import keras
@@ -46,6 +46,7 @@ class TensorFlowBackend:
         when a standby shares the GPU."""
         from orchestrator.train.accelerators import gpu_memory_growth, split_cpu
 
+        self.import_framework()  # a missing TensorFlow is the one line naming the extra
         split_cpu(cpu_devices)
         if standby:
             gpu_memory_growth()
