@@ -64,6 +64,9 @@ def test_drive_down_mid_run_training_goes_on_and_everything_due_is_flushed(fake_
             _wait_for(journal, "checkpoint_durable", 1)
             drive.down(errno.ENOTCONN)
             _wait_for(journal, "checkpoint_committed", 6)  # five epochs while Drive is gone
+            # On a loaded machine the five epochs can be committed before the mirror next
+            # tries: hold Drive down until the outage has been seen.
+            _wait_for(journal, "durable_unreachable", 1)
             drive.up()
 
         t = threading.Thread(target=outage, daemon=True)
