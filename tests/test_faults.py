@@ -24,6 +24,7 @@ from orchestrator.core.journal import Journal
     ("kill@export=1", "kill", None, "export", 1, None),
     ("delay-checkpoint@checkpoint=2,for=1.5", "delay-checkpoint", None, "checkpoint", 2, 1.5),
     ("disk-full@checkpoint=4", "disk-full", None, "checkpoint", 4, None),
+    ("slow-steps@step=1,for=0.05", "slow-steps", None, "step", 1, 0.05),
 ])
 def test_fault_specs_parse(text, what, arg, at, n, dur):
     f = faults.parse(text)
@@ -39,7 +40,9 @@ def test_fault_specs_parse(text, what, arg, at, n, dur):
     ("raise=out_of_memory@export=1", "raise fires @step=N"),
     ("storage-down@step=3", "(and they need it)"),
     ("delay-checkpoint@checkpoint=3", "(and they need it)"),
-    ("kill@step=3,for=2", "goes with storage-down and delay-checkpoint only"),
+    ("kill@step=3,for=2", "goes with storage-down, delay-checkpoint and slow-steps only"),
+    ("slow-steps@step=3", "(and they need it)"),
+    ("slow-steps@epoch=3,for=1", "slow-steps fires @step=N"),
     ("disk-full@step=3", "disk-full fires @checkpoint=N"),
 ])
 def test_bad_fault_specs_say_what_is_expected(text, expected):
@@ -68,6 +71,19 @@ def test_a_fault_fires_once_per_run_not_once_per_attempt(tmp_path):
     events = journal.events("fault_injected")
     assert [(e["fault"], e["attempt"], e["step"]) for e in events] == [("exit=0@step=3", 1, 3)]
     assert json.loads((tmp_path / "faults" / "exit_0_step_3.json").read_text())["attempt"] == 1
+
+
+def test_slow_steps_slow_every_step_from_n_in_every_attempt_and_are_journaled_once(tmp_path):
+    journal = Journal(str(tmp_path / "events.jsonl"))
+    slept = []
+    for attempt in (1, 2):
+        inj = faults.Injector(["slow-steps@step=3,for=0.05"], str(tmp_path), attempt, journal)
+        inj.sleep = slept.append
+        for step in range(1, 6):
+            inj.at_step(step)
+    assert slept == [0.05] * 6  # steps 3, 4, 5 of both attempts
+    events = journal.events("fault_injected")
+    assert [(e["attempt"], e["step"], e["per_step_s"]) for e in events] == [(1, 3, 0.05)]
 
 
 def test_raise_builds_the_real_exception_with_a_catalogue_message():

@@ -17,9 +17,14 @@
     disk-full@checkpoint=N the Nth commit fails with ENOSPC after writing its payload
     kill@export=1          SIGKILL as the worker starts writing the export at the end of the
                            run (after the last checkpoint)
+    slow-steps@step=N,for=S  from step N on, every step takes S s more, in every attempt: a
+                           slow input pipeline or a shared accelerator. The run lasts longer
+                           in wall time and computes exactly what it would have (the tests
+                           stretch a run past standby warm-ups without burning the CPU)
 
 Each fault fires once per run, not once per attempt: before firing, it is claimed durably in
-``<run>/faults/`` (O_EXCL) and journaled as ``fault_injected``. Parsing never imports TensorFlow;
+``<run>/faults/`` (O_EXCL) and journaled as ``fault_injected``. ``slow-steps`` is the one
+condition rather than an event: it is journaled once, at its first step, and holds from then on. Parsing never imports TensorFlow;
 only ``raise=`` for a TensorFlow kind imports it, in the worker.
 """
 from __future__ import annotations
@@ -43,13 +48,14 @@ from orchestrator.core.rundir import ENV_FAULTS, FAULTS_DIR
 
 ENV = ENV_FAULTS
 _SPEC = re.compile(r"^(?P<what>kill|hang|raise|exit|corrupt-checkpoint|storage-down|"
-                   r"delay-checkpoint|disk-full)"
+                   r"delay-checkpoint|disk-full|slow-steps)"
                    r"(?:=(?P<arg>[\w-]+))?@(?P<at>step|epoch|checkpoint|export)=(?P<n>\d+)"
                    r"(?:,for=(?P<for>\d+(?:\.\d+)?))?$")
 _ALLOWED_AT = {"kill": ("step", "checkpoint", "export"), "hang": ("step",), "raise": ("step",),
                "exit": ("step",), "corrupt-checkpoint": ("epoch",), "storage-down": ("step",),
-               "delay-checkpoint": ("checkpoint",), "disk-full": ("checkpoint",)}
-_TIMED = ("storage-down", "delay-checkpoint")  # the faults that take ',for=SECONDS'
+               "delay-checkpoint": ("checkpoint",), "disk-full": ("checkpoint",),
+               "slow-steps": ("step",)}
+_TIMED = ("storage-down", "delay-checkpoint", "slow-steps")  # the faults that take ',for=SECONDS'
 
 
 class FaultSpecError(ValueError):
@@ -74,8 +80,8 @@ def parse(text: str) -> FaultSpec:
     m = _SPEC.match(text.strip())
     usage = ("expected kill@step=N, hang@step=N, raise=KIND@step=N, exit=CODE@step=N, "
              "corrupt-checkpoint@epoch=N, storage-down@step=N,for=SECONDS, kill@checkpoint=N, "
-             "delay-checkpoint@checkpoint=N,for=SECONDS, disk-full@checkpoint=N "
-             "or kill@export=1")
+             "delay-checkpoint@checkpoint=N,for=SECONDS, disk-full@checkpoint=N, "
+             "slow-steps@step=N,for=SECONDS or kill@export=1")
     if not m:
         raise FaultSpecError(f"--fault {text!r}: {usage}")
     what, arg, at = m["what"], m["arg"], m["at"]
@@ -90,7 +96,8 @@ def parse(text: str) -> FaultSpec:
         raise FaultSpecError(f"--fault {text!r}: exit=CODE needs an integer exit code")
     if (what in _TIMED) != (m["for"] is not None):
         raise FaultSpecError(f"--fault {text!r}: ',for=SECONDS' goes with "
-                             f"{' and '.join(_TIMED)} only (and they need it)")
+                             f"{', '.join(_TIMED[:-1])} and {_TIMED[-1]} only "
+                             f"(and they need it)")
     if what not in ("raise", "exit") and arg:
         raise FaultSpecError(f"--fault {text!r}: {what} takes no '=' argument")
     return FaultSpec(text.strip(), what, arg, at, int(m["n"]),
@@ -117,6 +124,8 @@ class Injector:
         self.faults = [parse(f) if isinstance(f, str) else f for f in faults]
         self.dir = os.path.join(run_dir, FAULTS_DIR)
         self.attempt, self.journal = attempt, journal
+        self._slowed: set[str] = set()
+        self.sleep = time.sleep  # slow-steps' wait (the unit tests count it instead)
 
     @classmethod
     def from_env(cls, run_dir: str, attempt: int, journal=None, env=None) -> "Injector":
@@ -130,7 +139,13 @@ class Injector:
     def at_step(self, step: int) -> None:
         """Call after each training step with the global step reached."""
         for f in self.faults:
-            if f.at == "step" and step >= f.n and self._claim(f, step=step):
+            if f.what == "slow-steps":
+                if step >= f.n:
+                    if f.id not in self._slowed:  # journaled once a run; the slowness stays
+                        self._slowed.add(f.id)
+                        self._claim(f, step=step, per_step_s=f.duration)
+                    self.sleep(f.duration)
+            elif f.at == "step" and step >= f.n and self._claim(f, step=step):
                 self._fire(f)
 
     def at_export(self) -> None:
@@ -171,7 +186,7 @@ class Injector:
         os.makedirs(self.dir, exist_ok=True)
         path = os.path.join(self.dir, f"{f.id}.json")
         record = {"fault": f.text, "attempt": self.attempt, "time": round(time.time(), 3), **extra}
-        if f.duration is not None:
+        if f.duration is not None and f.what != "slow-steps":
             record["until"] = round(time.time() + f.duration, 3)
         try:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
