@@ -28,11 +28,11 @@ from orchestrator.train.jobcode import JobError
 
 def check(spec) -> str:
     """Every job-code check in the worker's order; returns what was built, in words."""
-    backend = jobcode.import_framework(spec)
-    if spec.tensorboard:
+    if spec.tensorboard:  # before the framework's import, as the worker does
         from orchestrator.train import tensorboard
 
         tensorboard.require()
+    backend = jobcode.import_framework(spec)
 
     made = jobcode.factories(spec)
     jobcode.check_compile(spec)

@@ -96,10 +96,6 @@ def prepare(spec: JobSpec, t_start: float, marks: dict) -> Prepared:
     group = multiworker.cluster()
     backend.seed(spec.seed, spec.deterministic)
     spec, reinitialise = apply_overrides(spec)
-    if spec.tensorboard:
-        from orchestrator.train import tensorboard
-
-        tensorboard.require()  # before the model is built: one line naming the key and the extra
     placement = backend.placement(spec, group, reinitialise)
     strategy, described, replicas = placement.strategy, placement.described, placement.replicas
     global_batch = spec.batch_size * replicas
@@ -125,6 +121,11 @@ def configure(spec: JobSpec, t_start: float) -> dict:
     it initialises them); returns the start-up marks so far."""
     from orchestrator.train import backends
 
+    if spec.tensorboard:
+        from orchestrator.train import tensorboard
+
+        # before the framework's import (seconds): one line naming the key and the extra
+        tensorboard.require()
     backend = backends.for_name(spec.backend)
     # a standby beside the worker needs device memory left to it (GPU memory growth, no
     # preallocation of 75 % of the GPU by JAX)
