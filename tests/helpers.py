@@ -20,6 +20,27 @@ BACKENDS = ("tensorflow", "jax")
 BOTH_BACKENDS = pytest.mark.parametrize("backend", BACKENDS)
 
 
+def once_per_session(tmp_path_factory, name: str, make):
+    """``make(folder)``'s JSON result, computed once for the whole test session even when
+    pytest-xdist runs it in several processes (the first to ask computes it under a file lock;
+    the others wait for it, then read it). For the reference runs several tests compare with:
+    each costs a framework start and a whole training, on a suite bound by its 2 cores."""
+    import fcntl
+    import json
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # pytest-of-USER/pytest-N, shared by the session's workers
+    result = root / f"{name}.json"
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not result.exists():
+            where = root / name
+            where.mkdir()
+            result.write_text(json.dumps(make(where)))
+    return json.loads(result.read_text())
+
+
 def fake_worker_cmd(spec, attempt):
     return [sys.executable, FAKE_WORKER, spec.job_path, "--run-dir", spec.run_dir,
             "--attempt", str(attempt)]

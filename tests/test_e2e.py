@@ -7,12 +7,13 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from watchdog.events import FileSystemEventHandler
 from watchdog.observers import Observer
 
-from helpers import BOTH_BACKENDS, ROOT, live
+from helpers import BOTH_BACKENDS, ROOT, live, once_per_session
 from orchestrator.core import heartbeat
 from orchestrator.core.journal import Journal
 from orchestrator.core.osutil import pid_alive
@@ -55,6 +56,22 @@ def digits_job(tmp_path, backend):
     p = tmp_path / "job.yaml"
     p.write_text(DIGITS_JOB + f"backend: {backend}\n")
     return str(p)
+
+
+@pytest.fixture
+def digits_reference(tmp_path_factory, backend):
+    """One uninterrupted run of the digits job on ``backend``, run once for the session: its
+    journal's ``events``, its ``job`` file and ``run`` directory (read, never written, by the
+    tests that compare a faulted run with it or read its export)."""
+    def run(where):
+        write_job_files(where)
+        (where / "job.yaml").write_text(DIGITS_JOB + f"backend: {backend}\n")
+        p = _start(str(where / "job.yaml"), where / "run")
+        out, _ = p.communicate(timeout=300)
+        assert p.returncode == 0, out
+        return {"events": Journal(str(where / "run" / "events.jsonl")).events(),
+                "job": str(where / "job.yaml"), "run": str(where / "run")}
+    return once_per_session(tmp_path_factory, f"digits-reference-{backend}", run)
 
 
 def _start(job, run_dir, env=None):
@@ -108,11 +125,9 @@ class _KillOnCommit(FileSystemEventHandler):
 
 
 @BOTH_BACKENDS
-def test_killed_runs_end_bit_identical_to_an_uninterrupted_one(digits_job, tmp_path):
-    ref = _start(digits_job, tmp_path / "ref")
-    out, _ = ref.communicate(timeout=300)
-    assert ref.returncode == 0, out
-    ref_events = Journal(str(tmp_path / "ref" / "events.jsonl")).events()
+def test_killed_runs_end_bit_identical_to_an_uninterrupted_one(digits_job, digits_reference,
+                                                               tmp_path):
+    ref_events = digits_reference["events"]
 
     run = tmp_path / "run"
     ctl = live(digits_job, run)
@@ -345,16 +360,12 @@ def test_cifar10_resnet_synthetic_smoke(tmp_path):
 
 
 @BOTH_BACKENDS
-def test_export_formats_load_on_cpu_and_predict_as_the_run_s_model(digits_job, tmp_path):
-    text = open(digits_job).read().replace("epochs: 5", "epochs: 2")
-    open(digits_job, "w").write(text)
-    run = tmp_path / "run"
-    p = _start(digits_job, run)
-    out, _ = p.communicate(timeout=300)
-    assert p.returncode == 0, out
-    events = Journal(str(run / "events.jsonl")).events()
+def test_export_formats_load_on_cpu_and_predict_as_the_run_s_model(digits_reference, tmp_path):
+    # the session's uninterrupted digits run, read only
+    digits_job, run = digits_reference["job"], Path(digits_reference["run"])
+    events = digits_reference["events"]
     exported = [e for e in events if e["event"] == "exported"]
-    assert [e.get("source") for e in exported] == ["worker"], out  # the last worker, in-process
+    assert [e.get("source") for e in exported] == ["worker"]  # the last worker, in-process
     final_sha = next(e["weights_sha256"] for e in events if e["event"] == "run_completed")
     on_demand = tmp_path / "again"  # `orchestrator export RUN_DIR` does the same on demand
     rc = subprocess.call([sys.executable, "-m", "orchestrator", "export", str(run), "--out",
@@ -365,7 +376,7 @@ def test_export_formats_load_on_cpu_and_predict_as_the_run_s_model(digits_job, t
     import numpy as np
     import tensorflow as tf
 
-    sys.path.insert(0, str(tmp_path))
+    sys.path.insert(0, str(run.parent))
     import digits_job as job
 
     from orchestrator.train import state
@@ -384,7 +395,7 @@ def test_export_formats_load_on_cpu_and_predict_as_the_run_s_model(digits_job, t
 
     exp = run / "export"
     facts = __import__("json").loads((exp / "export.json").read_text())
-    assert facts["weights_sha256"] == final_sha and facts["epoch"] == 2
+    assert facts["weights_sha256"] == final_sha and facts["epoch"] == 5
     keras_model = keras.saving.load_model(str(exp / "model.keras"))
     np.testing.assert_allclose(keras_model.predict(x, verbose=0), want, rtol=1e-5, atol=1e-6)
     weights_only = job.build_model()
