@@ -22,10 +22,14 @@ batch_size: 32
 strategy: STRATEGY
 seed: 7
 heartbeat_interval: 0.2
-hang_timeout: 3
+hang_timeout: 8
 stop_grace: 2
 restarts: {max: 4, backoff: {initial: 0.2, max: 1}}
+standby: off
 """
+# hang_timeout: 3 s was a false hang once, with four test processes on 2 cores. No standby: the
+# ladders are what these tests are about, and on 2 cores `auto` starts one after the first
+# failure that would only cost a framework start.
 
 
 def _job(tmp_path, strategy, recovery):
@@ -61,7 +65,7 @@ def test_oom_halves_the_batch_then_a_hang_is_dumped_and_killed(tmp_path):
     ready = _ev(events, "worker_ready")
     assert [e["global_batch"] for e in ready] == [32, 16, 16]
     hang = _ev(events, "hang_detected")[0]
-    assert hang["attempt"] == 2 and 3 <= hang["last_heartbeat_age_s"] < 3 + 2
+    assert hang["attempt"] == 2 and 8 <= hang["last_heartbeat_age_s"] < 8 + 2
     log = (tmp_path / "run" / "attempts" / "2.log").read_text()
     assert "Current thread" in log and "faults.py" in log and "in on_train_batch_end" in log
     assert [e["epoch"] for e in _ev(events, "epoch_completed")] == [1, 2]

@@ -29,6 +29,7 @@ deterministic: true
 checkpoint: {every_epochs: 1, every_steps: 20, keep: 2}
 restarts: {max: 3, backoff: {initial: 0.2, max: 1}}
 tensorboard: {every_steps: 5}
+standby: off
 """
 SPE = 45  # 1438 training digits in batches of 32
 

@@ -86,8 +86,10 @@ def test_an_action_that_needs_a_fresh_process_discards_the_standby(fake_job):
 
 @pytest.mark.integration
 def test_a_standby_that_fails_to_warm_up_is_replaced_once_then_the_recovery_is_cold(fake_job):
-    plan = dict(SLOW, exit_at_epoch={"1": [4, -9]}, standby_exit={"2": 1})
-    rc, out, events = supervise(fake_job(epochs=5, extra="standby: on"), plan, standby=True)
+    # the kill at epoch 7: time for both warm-ups to fail first, with the machine loaded (at
+    # epoch 4 the replacement had not failed yet once, beside three other test processes)
+    plan = dict(SLOW, exit_at_epoch={"1": [7, -9]}, standby_exit={"2": 1})
+    rc, out, events = supervise(fake_job(epochs=8, extra="standby: on"), plan, standby=True)
     assert rc == 0, out
     lost = _ev(events, "standby_lost")
     assert [(e["for_attempt"], e["exit_code"]) for e in lost] == [(2, 1), (2, 1)]
