@@ -1,9 +1,16 @@
+import platform
 import subprocess
 import textwrap
 
 import pytest
 
 from helpers import supervise
+
+# TensorFlow's import asks platform.processor(), which runs `uname -p` once per process: asked
+# here, before any test, so that the fast tier's guard below never takes the first test to
+# import TensorFlow in a process for one that starts processes (under pytest-xdist that test
+# is any of them).
+platform.processor()
 
 
 # The modules whose tests run longest (end-to-end runs with several kills, groups of workers)

@@ -87,6 +87,28 @@ def test_a_tf_data_job_s_ranks_together_feed_exactly_its_global_batches():
     assert {len(b) for b in parts[1]} == {4}
 
 
+def test_a_tf_data_job_with_seed_0_gets_the_same_order_as_any_seed_each_epoch_its_own(
+        monkeypatch):
+    """``seed: 0`` sets TensorFlow's global seed to 0, where a seed tensor failed its seed check
+    ("Using a symbolic tf.Tensor as a Python bool") before the first step."""
+    tf = pytest.importorskip("tensorflow")
+    from orchestrator.train.datasets import JobData, train_dataset
+
+    x, y = _xy(19)
+    data = JobData(tf.data.Dataset.from_tensor_slices((x, y)), None, 19)
+    tf.random.set_seed(0)
+    try:
+        epochs = [[int(i) for b in train_dataset(data, 0, e, e + 1, 8, True) for i in b[1]]
+                  for e in (0, 1)]
+        both = [int(i) for b in train_dataset(data, 0, 0, 2, 8, True) for i in b[1]]
+        skipped = [int(i) for b in train_dataset(data, 0, 0, 2, 8, True, skip_batches=1)
+                   for i in b[1]]
+    finally:
+        tf.random.set_seed(None)
+    assert both == epochs[0] + epochs[1] and skipped == both[8:]
+    assert epochs[0] != epochs[1] and sorted(epochs[0]) != epochs[0]
+
+
 class _Spanning:
     """A jax.Array over several processes' devices, as far as ``local_value`` asks."""
 
