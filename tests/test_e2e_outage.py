@@ -10,6 +10,7 @@ import time
 import pytest
 
 from helpers import BOTH_BACKENDS, ROOT
+from test_e2e import DIGITS_JOB, digits_reference, write_job_files  # noqa: F401
 from orchestrator.checkpoint.store import CheckpointStore
 from orchestrator.core.journal import Journal
 from orchestrator.core.rundir import RunDir
@@ -17,42 +18,26 @@ from orchestrator.core.specload import load
 
 pytestmark = pytest.mark.e2e
 
-JOB = """
-name: digits-outage
-model: digits_job:build_model
-data: digits_job:load_data
-compile: {optimizer: adam, loss: sparse_categorical_crossentropy, metrics: [accuracy]}
-epochs: 3
-batch_size: 16
-strategy: cpu
-seed: 9
-deterministic: true
-checkpoint: {every_epochs: 1, every_steps: 40}
-heartbeat_interval: 0.05
-"""
 
-
-def _run(job, run_dir):
+def _run(job, run_dir, *args):
     return subprocess.Popen([sys.executable, "-m", "orchestrator", "run", job, "--run-dir",
-                             str(run_dir)], cwd=ROOT, stdout=subprocess.PIPE,
+                             str(run_dir), *args], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
 
 
 @BOTH_BACKENDS
-def test_the_run_directory_gone_for_6_s_mid_epoch_changes_nothing_in_the_weights(tmp_path):
-    import shutil
-
-    shutil.copy(os.path.join(ROOT, "jobs", "digits", "digits_job.py"), tmp_path)
+def test_the_run_directory_gone_for_6_s_mid_epoch_changes_nothing_in_the_weights(
+        tmp_path, backend, digits_reference):
+    # the digits job, compared with the session's uninterrupted run of it; its steps slowed
+    # (the same weights) so that training and its checkpoints go on through the outage
+    write_job_files(tmp_path)
     job = tmp_path / "job.yaml"
-    job.write_text(JOB)
-    ref = _run(str(job), tmp_path / "ref")
-    out, _ = ref.communicate(timeout=300)
-    assert ref.returncode == 0, out
-    ref_done = Journal(str(tmp_path / "ref" / "events.jsonl")).events("run_completed")[0]
+    job.write_text(DIGITS_JOB + f"backend: {backend}\n")
+    ref_done = [e for e in digits_reference["events"] if e["event"] == "run_completed"][0]
 
     run = tmp_path / "run"
     rd = RunDir.for_spec(load(str(job), run_dir=str(run)))
-    p = _run(str(job), run)
+    p = _run(str(job), run, "--fault", "slow-steps@step=1,for=0.03")
     deadline = time.time() + 120
     while time.time() < deadline and not any(
             e["epoch"] == 1 for e in Journal(rd.journal).events("epoch_completed")):
@@ -71,8 +56,8 @@ def test_the_run_directory_gone_for_6_s_mid_epoch_changes_nothing_in_the_weights
     events = Journal(str(run / "events.jsonl")).events()
     names = [e["event"] for e in events]
     assert "run_dir_unreachable" in names and "run_dir_restored" in names
-    assert [e["epoch"] for e in events if e["event"] == "epoch_completed"] == [1, 2, 3]
+    assert [e["epoch"] for e in events if e["event"] == "epoch_completed"] == [1, 2, 3, 4, 5]
     done = next(e for e in events if e["event"] == "run_completed")
     assert done["weights_sha256"] == ref_done["weights_sha256"]
     final = CheckpointStore(str(run / "checkpoints")).latest_valid()
-    assert final.epoch == 3 and final.manifest["weights_sha256"] == ref_done["weights_sha256"]
+    assert final.epoch == 5 and final.manifest["weights_sha256"] == ref_done["weights_sha256"]

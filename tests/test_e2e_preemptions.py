@@ -14,6 +14,7 @@ import time
 import pytest
 
 from helpers import BOTH_BACKENDS, ROOT, live, wait_until
+from test_e2e import DIGITS_JOB, digits_reference, write_job_files  # noqa: F401
 from orchestrator.core import heartbeat
 from orchestrator.core.journal import Journal
 
@@ -118,20 +119,22 @@ def test_a_deterministic_bug_is_stopped_within_four_attempts(tmp_path):
 
 
 @BOTH_BACKENDS
-def test_sigterm_mid_epoch_saves_that_step_and_the_run_resumes_there_bit_identical(tmp_path):
-    # 180 steps an epoch: the half epoch between the heartbeat this test reads and the epoch's
-    # end outlasts the signal's way through the supervisor (45 steps of JAX's 3 ms did not)
-    job = _job(tmp_path, epochs=3, batch_size=8)
-    ref = subprocess.run([sys.executable, "-m", "orchestrator", "run", job, "--run-dir",
-                          str(tmp_path / "ref")], cwd=ROOT, capture_output=True, text=True,
-                         timeout=300)
-    assert ref.returncode == 0, ref.stdout
-    ref_done = _ev(Journal(str(tmp_path / "ref" / "events.jsonl")).events(), "run_completed")[0]
-
+def test_sigterm_mid_epoch_saves_that_step_and_the_run_resumes_there_bit_identical(
+        tmp_path, backend, digits_reference):
+    # The digits job, compared with the session's uninterrupted run of it. Its steps slowed (the
+    # weights are the same): the half epoch between the heartbeat this test reads and the
+    # epoch's end outlasts the signal's way through the supervisor (45 steps of JAX's 3 ms did
+    # not)
+    write_job_files(tmp_path)
+    job = tmp_path / "job.yaml"
+    job.write_text(DIGITS_JOB + f"backend: {backend}\n")
+    job = str(job)
     run = tmp_path / "run"
     ctl = live(job, run)
     journal = Journal(ctl.journal)
-    sup = _start(job, run)
+    sup = subprocess.Popen([sys.executable, "-m", "orchestrator", "run", job, "--run-dir",
+                            str(run), "--fault", "slow-steps@step=1,for=0.04"], cwd=ROOT,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     spe = _wait(lambda: next(journal.iter("worker_ready"), None))["steps_per_epoch"]
     target = spe + spe // 2  # the middle of epoch 2: epoch 1's checkpoint is behind
     _wait(lambda: (heartbeat.read(ctl.control) or {}).get("step", 0) >= target, what="step")
@@ -151,6 +154,7 @@ def test_sigterm_mid_epoch_saves_that_step_and_the_run_resumes_there_bit_identic
     events = journal.events()
     assert _ev(events, "worker_ready")[-1]["resumed_from_step"] == saved
     done = _ev(events, "run_completed")[-1]
+    ref_done = _ev(digits_reference["events"], "run_completed")[0]
     assert done["weights_sha256"] == ref_done["weights_sha256"]
 
 
