@@ -23,13 +23,13 @@ import subprocess
 import sys
 import tempfile
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 from orchestrator.core import backends
 from orchestrator.core.osutil import read_json
+from orchestrator.ops.checks import FAIL, OK, PROBE_TIMEOUT_S, WARN, Check, run_probe
 from orchestrator.recovery import probes
 
-OK, WARN, FAIL = "ok", "warn", "fail"
 TF_DISTRIBUTIONS = ("tensorflow", "tensorflow-cpu", "tensorflow-tpu", "tensorflow-gpu",
                     "tensorflow-intel", "tensorflow-macos", "tf-nightly", "tf-nightly-cpu",
                     "tf-nightly-tpu")
@@ -46,7 +46,6 @@ TPU_ON_JAX = ("on Colab's TPU runtimes train on JAX, which they ship (`backend: 
               "fits their JAX (colabtools#5174, #5419); on another TPU VM: " + TPU_INSTALL)
 DRIVE_ROOT = "/content/drive"
 MIN_DISK_GB, LOW_DISK_GB, LOW_MEMORY_GB = 1.0, 5.0, 1.0
-PROBE_TIMEOUT_S = 300
 # The job-code probe imports TensorFlow and calls the job's data factory, which may download.
 JOB_CHECK_TIMEOUT_S = 900
 # The probes run this very orchestrator package, wherever the current directory is.
@@ -70,13 +69,6 @@ print(%r + json.dumps(out), flush=True)
 """ % _PROBE_TAG
 
 
-@dataclass
-class Check:
-    name: str
-    level: str
-    detail: str
-
-
 def _norm(name: str) -> str:
     return name.lower().replace("_", "-")
 
@@ -96,16 +88,7 @@ def tensorflow_probe(python: str = sys.executable, devices: bool = True,
                      timeout: float = PROBE_TIMEOUT_S) -> dict:
     """Import TensorFlow in a fresh process: version, TPU kernels, GPUs it sees (or error)."""
     cmd = [python, "-c", _PROBE] + (["--devices"] if devices else [])
-    try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                           stdin=subprocess.DEVNULL)
-    except subprocess.TimeoutExpired:
-        return {"error": f"importing TensorFlow took longer than {timeout:g} s"}
-    for line in p.stdout.splitlines():
-        if line.startswith(_PROBE_TAG):
-            return json.loads(line[len(_PROBE_TAG):])
-    tail = (p.stderr.strip().splitlines() or ["no output"])[-1]
-    return {"error": f"the probe exited {p.returncode}: {tail}"}
+    return run_probe(cmd, _PROBE_TAG, "importing TensorFlow", timeout)
 
 
 def _probe_env(base=None) -> dict:
