@@ -6,7 +6,8 @@ has TPU kernels (``ConfigureDistributedTPU``, lost when plain ``tensorflow`` is 
 ``tensorflow-tpu``); the accelerator in sight (TPU VM, legacy TPU node, GPU or none, with
 ``probes``, which never touch the chip) and whether it answers; on a TPU VM, libtpu (and
 ``tensorflow-tpu`` on TensorFlow). Colab's TPU runtimes ship JAX and no TensorFlow, so on JAX
-nothing imports TensorFlow, not even a probe, and no TensorFlow install is advised. Then the run
+nothing imports TensorFlow, not even a probe, and no TensorFlow install is advised: a JAX probe
+checks jax, jaxlib and Keras 3 and the devices JAX sees (``jaxcheck.py``). Then the run
 directory (on a mounted Drive? writable?), free disk and memory, pip. Given a job, its own code
 in a probe process (``python -m orchestrator.train.jobcheck``, on the CPU): modules, factories,
 compile identifiers, a model that builds and takes a batch through the first step's loss; a
@@ -27,6 +28,7 @@ from dataclasses import asdict
 
 from orchestrator.core import backends
 from orchestrator.core.osutil import read_json
+from orchestrator.ops import jaxcheck
 from orchestrator.ops.checks import FAIL, OK, PROBE_TIMEOUT_S, WARN, Check, run_probe
 from orchestrator.recovery import probes
 
@@ -199,13 +201,6 @@ def find_libtpu(env, search=None) -> str | None:
     return None
 
 
-def jax_tpu_install(dists: dict) -> str:
-    """The line that puts libtpu back beside this JAX: ``jax[tpu]`` at the installed jax's own
-    version, so pip adds the libtpu that release pins and never replaces the image's jax."""
-    pin = f"=={dists['jax']}" if dists.get("jax") else ""
-    return f"pip install 'jax[tpu]{pin}'"
-
-
 def check_tpu_software(found: probes.ProbeResult, dists: dict, libtpu: str | None,
                        wants_tpu: bool, backend: str = backends.TENSORFLOW) -> list[Check]:
     """On a TPU VM: libtpu installed, and on TensorFlow tensorflow-tpu? (Nothing to say
@@ -224,7 +219,8 @@ def check_tpu_software(found: probes.ProbeResult, dists: dict, libtpu: str | Non
                          + TPU_ON_JAX))
     libs = {k: v for k, v in dists.items() if k in ("libtpu", "libtpu-nightly")}
     version = ", ".join(f"{k} {v}" for k, v in libs.items())
-    who, how = (("JAX", jax_tpu_install(dists)) if backend == backends.JAX else
+    # on JAX: jax[tpu] at the installed jax's version adds the libtpu that release pins
+    who, how = (("JAX", jaxcheck.jax_install(dists, "tpu")) if backend == backends.JAX else
                 ("TensorFlow", TPU_ON_JAX))
     out.append(Check("libtpu", OK, f"{libtpu}" + (f" ({version})" if version else ""))
                if libtpu else
@@ -331,17 +327,27 @@ def check_runtime(run_dir: str, strategy: str = "auto", env=None, run_probe: boo
     ``spec.backend``); None: what ``backend: auto`` resolves to here. On JAX nothing here
     imports TensorFlow, not even in a probe: on a TPU VM that would load libtpu."""
     env = dict(os.environ if env is None else env)
-    backend = backend or backends.resolve(backends.AUTO, env)[0]
+    backend, why = (backend, "the job's") if backend else backends.resolve(backends.AUTO, env)
     found = find_accelerator(env)
     wants_tpu = found.accelerator.startswith("tpu") and strategy in ("auto", "tpu")
-    dists = installed_distributions(TF_DISTRIBUTIONS + TPU_DISTRIBUTIONS + ("jax",))
+    dists = installed_distributions(TF_DISTRIBUTIONS + TPU_DISTRIBUTIONS
+                                    + jaxcheck.DISTRIBUTIONS)
     tf_installed = any(k in TF_DISTRIBUTIONS for k in dists)
     on_tf = backend != backends.JAX
     probe = (tensorflow_probe(python, devices=not found.accelerator.startswith("tpu"))
              if run_probe and tf_installed and on_tf else None)
-    checks = [Check("python", OK, f"{sys.version.split()[0]} ({python})")]
-    checks += check_tensorflow(dists, probe, wants_tpu) if on_tf else []
+    jax_probe = (jaxcheck.jax_probe(strategy, found, python, env)
+                 if run_probe and "jax" in dists and not on_tf else None)
+    checks = [Check("python", OK, f"{sys.version.split()[0]} ({python})"),
+              Check("backend", OK, f"{backend} ({why})")]
+    if on_tf:
+        checks += check_tensorflow(dists, probe, wants_tpu)
+    else:
+        versions, requires = jaxcheck.probed_versions(jax_probe, dists)
+        checks += jaxcheck.check_versions(versions, requires, found, python)
     checks += check_accelerator(found, strategy, probe)
+    if not on_tf:
+        checks += jaxcheck.check_devices(jax_probe, strategy, found, versions)
     checks += check_tpu_software(found, dists, find_libtpu(env), wants_tpu, backend)
     checks += check_run_dir(run_dir, env, drive_root, ismount)
     checks.append(check_memory())
@@ -363,13 +369,17 @@ def run(job: str | None = None, run_dir: str | None = None, **kw) -> list[Check]
         else:
             strategy, run_dir = spec.strategy, spec.run_dir
             kw.setdefault("backend", spec.backend)
-            first.append(Check("job", OK, f"{spec.job_path}: strategy {strategy}, "
-                               f"{spec.epochs} epochs"))
+            first.append(Check("job", OK, f"{spec.job_path}: strategy {strategy}, backend "
+                               f"{spec.backend}, {spec.epochs} epochs"))
     checks = first + check_runtime(run_dir or os.getcwd(), strategy, **kw)
     if spec is not None and kw.get("run_probe", True):
         if spec.backend != backends.JAX and not any(
                 c.name == "tensorflow import" and c.level == OK for c in checks):
             checks.append(Check("job code", WARN, "not checked: TensorFlow does not import"))
+        elif spec.backend == backends.JAX and (  # "jax devices": JAX imported in the probe
+                not any(c.name == "jax devices" for c in checks)
+                or any(c.name == "keras" and c.level == FAIL for c in checks)):
+            checks.append(Check("job code", WARN, "not checked: JAX or Keras 3 does not import"))
         else:
             checks.append(check_job_code(spec.job_path, kw.get("python", sys.executable)))
     return checks
