@@ -141,8 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("job", nargs="?", help="the job's YAML file (its run_dir, strategy and code)")
     d.add_argument("--run-dir", help="the run directory to check (default: the job's, or .)")
     d.add_argument("--no-probe", action="store_true",
-                   help="do not import TensorFlow in a probe process nor build the job's "
-                        "model (faster, less certain)")
+                   help="do not import TensorFlow or JAX in a probe process nor build the "
+                        "job's model (faster, less certain)")
     d.add_argument("--json", action="store_true", help="machine-readable output")
     d.set_defaults(func=_cmd_doctor)
     return p

@@ -9,7 +9,8 @@ import sys
 import pytest
 
 from orchestrator import cli
-from orchestrator.ops import doctor
+from orchestrator.core import backends
+from orchestrator.ops import doctor, jaxcheck
 from orchestrator.recovery import probes
 from orchestrator.ops.doctor import FAIL, OK, WARN
 
@@ -128,6 +129,7 @@ def test_a_colab_tpu_vm_on_jax_checks_libtpu_and_never_advises_tensorflow(tmp_pa
     # with a TensorFlow installed beside it too (a custom image): still no TensorFlow probe
     env = _tpu_vm(tmp_path, monkeypatch, dists=dict(image, tensorflow="2.20.0"))
     monkeypatch.setattr(doctor, "tensorflow_probe", lambda *a, **k: pytest.fail("imported TF"))
+    monkeypatch.setattr(jaxcheck, "jax_probe", lambda *a, **k: dict(V5E_PROBE))
     checks = doctor.check_runtime(str(tmp_path / "run"), env=env, backend="jax")
     levels = _levels(checks)
     assert not {"tensorflow", "tensorflow import", "tpu kernels", "tensorflow-tpu"} & set(levels)
@@ -325,3 +327,259 @@ def test_job_code_check_builds_a_good_job_without_tensorflow_in_the_doctor(tmp_p
     assert p.returncode == 0, p.stdout + p.stderr
     assert p.stdout.startswith("job code ok imported digits_job:build_model"), p.stdout
     assert "digits_cnn" in p.stdout and "first step's loss" in p.stdout
+
+
+# --- JAX (ops/jaxcheck.py) ---------------------------------------------------------------
+# What the probe reports, in the formats JAX prints them. Sources:
+# - CPU: this machine (jax 0.10.2): jax.devices() -> [CpuDevice(id=0)], default_backend() cpu,
+#   device_kind 'cpu'; jax 0.10.2's metadata: Requires-Dist: jaxlib<=0.10.2,>=0.10.1.
+# - GPU: bench/gpu/h200-2026-12-04.json, this project's own run on an H200 ("0.11.2 0.11.2
+#   [CudaDevice(id=0)]", device_kind 'NVIDIA H200'); a CUDA device's platform is 'gpu'.
+# - TPU: a v6e-1 TPU VM's jax.devices() as a public note recorded it (jax 0.6.2: [TpuDevice(id=0,
+#   process_index=0, coords=(0,0,0), core_on_chip=0)]); 'TPU v5 lite' is the v5e's device_kind
+#   (jax/_src/mesh_utils.py: _TPU_V5_LITE); Colab's TPU image: jax/jaxlib 0.7.2, keras 3.13.2
+#   (googlecolab/backend-info pip-freeze.tpu.txt, as issue 23 quotes it).
+# - Falling back to the CPU: jax/_src/xla_bridge.py's warning; a CUDA plugin of another
+#   release: jaxlib/plugin_support.py's RuntimeWarning as a Colab notebook printed it; a held
+#   TPU: libtpu's words inside JAX's (jax#22070, as tests/test_failures.py has them); a jaxlib
+#   newer than jax: jax/_src/lib/__init__.py (octo-models/octo#125: 0.4.31 with jax 0.4.20).
+
+CPU_PROBE = {"versions": {"jax": "0.10.2", "jaxlib": "0.10.2", "keras": "3.15.1"},
+             "jaxlib_requires": ["jaxlib<=0.10.2,>=0.10.1"], "notes": [], "platform": "cpu",
+             "devices": [{"platform": "cpu", "kind": "cpu", "repr": "CpuDevice(id=0)"}]}
+H200_PROBE = dict(CPU_PROBE, platform="gpu", devices=[
+    {"platform": "gpu", "kind": "NVIDIA H200", "repr": "CudaDevice(id=0)"}])
+V5E_PROBE = {"versions": {"jax": "0.7.2", "jaxlib": "0.7.2", "libtpu": "0.0.23",
+                          "keras": "3.13.2"}, "notes": [], "platform": "tpu",
+             "devices": [{"platform": "tpu", "kind": "TPU v5 lite", "repr": (
+                 "TpuDevice(id=0, process_index=0, coords=(0,0,0), core_on_chip=0)")}]}
+FELL_BACK = ("An NVIDIA GPU may be present on this machine, but a CUDA-enabled jaxlib is not "
+             "installed. Falling back to cpu.")
+TPU_HELD = ("RuntimeError: Unable to initialize backend 'tpu': ABORTED: The TPU is already in "
+            "use by process with pid 4242. Not attempting to load libtpu.so in this process. "
+            "(set JAX_PLATFORMS='' to automatically choose an available backend)")
+CPU = probes.ProbeResult("cpu", "ok", "2 CPU(s)")
+T4 = probes.ProbeResult("gpu", "ok", "0, Tesla T4, 0, 15360")
+V5E = probes.ProbeResult("tpu_vm", "ok", "1 device file(s); the TPU is free")
+V5E_HELD = probes.ProbeResult("tpu_vm", "busy", "1 device file(s); the TPU is held by pid 4242")
+
+
+def _detail(checks, name):
+    return next(c.detail for c in checks if c.name == name)
+
+
+def test_jax_and_jaxlib_of_one_release_or_a_fix_pinned_to_the_installed_jax():
+    req = CPU_PROBE["jaxlib_requires"]
+    ok = jaxcheck.check_versions(CPU_PROBE["versions"], req, CPU)
+    assert [(c.name, c.level, c.detail) for c in ok] == [
+        ("jax", OK, "jax 0.10.2, jaxlib 0.10.2"), ("keras", OK, "keras 3.15.1")]
+    # a jaxlib newer than jax: JAX refuses to import it (jax/_src/lib/__init__.py)
+    newer = jaxcheck.check_versions({"jax": "0.10.2", "jaxlib": "0.11.2", "keras": "3.15.1"},
+                                    req, CPU)
+    assert newer[0].level == FAIL and newer[0].detail.startswith(
+        "jax 0.10.2, jaxlib 0.11.2: jax 0.10.2 requires jaxlib<=0.10.2,>=0.10.1")
+    assert newer[0].detail.endswith("pip install 'jax==0.10.2' 'jaxlib==0.10.2'")
+    # on a TPU VM the same fix through jax[tpu], which also brings the libtpu it pins
+    on_tpu = jaxcheck.check_versions({"jax": "0.10.2", "jaxlib": "0.11.2"}, req, V5E)
+    assert on_tpu[0].detail.endswith("pip install 'jax[tpu]==0.10.2'")
+    # older, but inside jax's own range: it imports; JAX's accelerator builds pair them equal
+    inside = jaxcheck.check_versions({"jax": "0.10.2", "jaxlib": "0.10.1", "keras": "3.15.1"},
+                                     req, CPU)
+    assert inside[0].level == WARN and "accepts it" in inside[0].detail
+    # a jax that declares no range (jax < 0.4.31): only one release is known to fit
+    assert jaxcheck.check_versions({"jax": "0.4.20", "jaxlib": "0.4.31"}, [], CPU)[0].level == FAIL
+    assert jaxcheck.check_versions({"jax": "0.4.20"}, [], CPU)[0].level == FAIL
+
+
+def test_a_cuda_plugin_of_another_release_than_jaxlib_fails_with_the_cuda_fix():
+    # "JAX plugin jax_cuda12_plugin version 0.7.2 is installed, but it is not compatible with
+    # the installed jaxlib version 0.7.1, so it will not be used." (a Colab GPU notebook)
+    versions = {"jax": "0.7.1", "jaxlib": "0.7.1", "jax-cuda12-plugin": "0.7.2",
+                "jax-cuda12-pjrt": "0.7.1", "keras": "3.13.2"}
+    checks = jaxcheck.check_versions(versions, ["jaxlib<=0.7.1,>=0.7.1"], T4)
+    assert [(c.name, c.level) for c in checks] == [("jax", OK), ("jax plugin", FAIL), ("keras", OK)]
+    assert checks[1].detail.startswith("jax-cuda12-plugin 0.7.2 beside jaxlib 0.7.1")
+    assert checks[1].detail.endswith("pip install 'jax[cuda12]==0.7.1'")
+
+
+def test_keras_3_and_jax_itself_must_be_installed():
+    keras2 = jaxcheck.check_versions({"jax": "0.10.2", "jaxlib": "0.10.2", "keras": "2.15.0"},
+                                     [], CPU)
+    assert keras2[-1].level == FAIL and "Keras 2, which has no JAX backend" in keras2[-1].detail
+    none = jaxcheck.check_versions({}, [], CPU, python="/usr/bin/python3")
+    assert [(c.name, c.level) for c in none] == [("jax", FAIL), ("keras", FAIL)]
+    assert "JAX is not installed for /usr/bin/python3: pip install 'orchestrator[jax]'" in (
+        none[0].detail)
+
+
+def test_jax_devices_against_the_job_s_strategy():
+    ok = jaxcheck.check_devices(CPU_PROBE, "auto", CPU, CPU_PROBE["versions"])
+    assert [(c.name, c.level, c.detail) for c in ok] == [
+        ("jax devices", OK, "default backend cpu: 1 CPU (cpu)")]
+    assert jaxcheck.check_devices(H200_PROBE, "gpu", T4, {})[0].detail == (
+        "default backend gpu: 1 GPU (NVIDIA H200)")
+    tpu = jaxcheck.check_devices(V5E_PROBE, "tpu", V5E, V5E_PROBE["versions"])
+    assert (tpu[0].level, tpu[0].detail) == (OK, "default backend tpu: 1 TPU (TPU v5 lite)")
+    # a TPU job where JAX sees none: named by its key
+    no_tpu = jaxcheck.check_devices(CPU_PROBE, "tpu", CPU, CPU_PROBE["versions"])
+    assert no_tpu[0].level == FAIL and no_tpu[0].detail.startswith(
+        "key 'strategy': 'tpu' but JAX sees no TPU (default backend cpu: 1 CPU (cpu))")
+
+
+def test_a_gpu_that_jax_does_not_see_fails_a_gpu_job_and_warns_an_auto_one():
+    fell_back = dict(CPU_PROBE, notes=[FELL_BACK])
+    versions = {"jax": "0.7.2", "jaxlib": "0.7.2"}
+    gpu = jaxcheck.check_devices(fell_back, "gpu", T4, versions)[0]
+    assert gpu.level == FAIL and gpu.detail.startswith("key 'strategy': 'gpu' but JAX sees no GPU")
+    assert f"JAX said: {FELL_BACK}" in gpu.detail
+    assert gpu.detail.endswith("pip install 'jax[cuda12]==0.7.2'")
+    auto = jaxcheck.check_devices(fell_back, "auto", T4, versions)[0]
+    assert auto.level == WARN and "the run would train on the CPU" in auto.detail
+    # a CPU job on the same machine is what it asks for
+    assert jaxcheck.check_devices(CPU_PROBE, "cpu", T4, versions)[0].level == OK
+
+
+def test_a_probe_that_cannot_import_jax_or_open_its_devices_fails():
+    newer = ("RuntimeError: jaxlib version 0.4.31 is newer than and incompatible with jax "
+             "version 0.4.20. Please update your jax and/or jaxlib packages.")
+    c = jaxcheck.check_devices({"versions": {}, "notes": [], "import_error": newer}, "auto",
+                               CPU, {})[0]
+    assert (c.name, c.level) == ("jax import", FAIL) and newer in c.detail
+    held = jaxcheck.check_devices({"versions": {}, "notes": [], "error": TPU_HELD}, "auto",
+                                  V5E, {})[0]
+    assert (held.name, held.level) == ("jax devices", FAIL) and "pid 4242" in held.detail
+    # a TPU another process holds is not opened at all: versions only, and that is said
+    unlisted = jaxcheck.check_devices({"versions": {}, "notes": []}, "auto", V5E_HELD, {})[0]
+    assert unlisted.level == WARN and "held by another process" in unlisted.detail
+
+
+def test_the_jax_probe_sees_what_the_worker_would_and_never_opens_a_held_tpu(monkeypatch):
+    base = {"PATH": "/usr/bin"}
+    assert jaxcheck.probe_env("cpu", V5E, base)["JAX_PLATFORMS"] == "cpu"
+    # on a TPU VM the TPU is named: a TPU that fails to open fails, not trains on the CPU
+    assert jaxcheck.probe_env("auto", V5E, base)["JAX_PLATFORMS"] == "tpu,cpu"
+    assert "JAX_PLATFORMS" not in jaxcheck.probe_env("auto", T4, base)
+    assert jaxcheck.probe_env("auto", T4, base)["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
+    assert jaxcheck.probe_env("auto", V5E, dict(base, JAX_PLATFORMS="tpu"))["JAX_PLATFORMS"] == (
+        "tpu")
+    assert backends.jax_platforms("gpu", True, {}) is None
+    ran = []
+    monkeypatch.setattr(jaxcheck, "run_probe", lambda cmd, *a, **k: ran.append(cmd) or {})
+    jaxcheck.jax_probe("auto", V5E_HELD, python="py")
+    jaxcheck.jax_probe("auto", V5E, python="py")
+    assert [cmd[3] for cmd in ran] == ["versions", "devices"]
+    assert ran[0][0] == "py" and ran[0][4:] == list(jaxcheck.DISTRIBUTIONS)
+
+
+def test_the_jax_probe_and_the_worker_name_the_same_platforms(monkeypatch, tmp_path):
+    """Both take them from core/backends.py jax_platforms: the worker in its configure."""
+    from types import SimpleNamespace
+
+    from orchestrator.core import tpuvm
+    from orchestrator.train.backends.jax_backend import JaxBackend
+
+    (tmp_path / "dev" / "vfio").mkdir(parents=True)
+    monkeypatch.setattr(tpuvm, "DEVICE_GLOBS", (f"{tmp_path}/dev/vfio/[0-9]*",))
+    seen = []
+    for chip in (False, True):
+        if chip:
+            (tmp_path / "dev" / "vfio" / "0").write_text("")
+        for strategy in ("auto", "tpu", "gpu", "cpu"):
+            for name in ("JAX_PLATFORMS", "ORCHESTRATOR_STRATEGY", "XLA_FLAGS"):
+                monkeypatch.setenv(name, "")  # restored after the test, whatever configure sets
+                monkeypatch.delenv(name)
+            spec = SimpleNamespace(strategy=strategy, deterministic=False,
+                                   run_dir=str(tmp_path / "run"), checkpoint=SimpleNamespace(
+                                       local_dir=str(tmp_path / "local" / "ckpt")))
+            JaxBackend().configure(spec, None, standby=False)
+            found = V5E if chip else CPU
+            probe = jaxcheck.probe_env(strategy, found, {}).get("JAX_PLATFORMS")
+            assert os.environ.get("JAX_PLATFORMS") == probe, (strategy, chip)
+            seen.append(probe)
+    assert seen == [None, None, None, "cpu", "tpu,cpu", "tpu,cpu", None, "cpu"]
+
+
+def _no_pip(monkeypatch):
+    monkeypatch.setattr(doctor, "check_pip", lambda python=None: doctor.Check("pip", OK, "pip"))
+
+
+def test_a_colab_tpu_vm_on_jax_in_full_tensorflow_absent(tmp_path, monkeypatch):
+    """Today's Colab TPU runtime as the doctor sees it: JAX checks, no TensorFlow, no FAIL."""
+    _no_pip(monkeypatch)
+    env = _tpu_vm(tmp_path, monkeypatch, dists=V5E_PROBE["versions"])
+    probed = []
+    monkeypatch.setattr(jaxcheck, "jax_probe",
+                        lambda *a, **k: probed.append(a) or dict(V5E_PROBE))
+    checks = doctor.check_runtime(str(tmp_path / "run"), "tpu", env=env, backend="jax")
+    levels = _levels(checks)
+    assert not doctor.would_fail(checks), doctor.format_checks(checks)
+    assert (levels["backend"], levels["jax"], levels["keras"], levels["jax devices"],
+            levels["libtpu"]) == (OK,) * 5
+    assert not {"tensorflow", "tensorflow import", "tpu kernels", "tensorflow-tpu"} & set(levels)
+    assert _detail(checks, "jax") == "jax 0.7.2, jaxlib 0.7.2"
+    assert probed and probed[0][0] == "tpu"  # the job's strategy, for the worker's platforms
+    # the same runtime with jaxlib from another release and JAX that falls back to the CPU
+    broken = dict(CPU_PROBE, versions=dict(V5E_PROBE["versions"], jaxlib="0.8.1"),
+                  jaxlib_requires=["jaxlib<=0.7.2,>=0.7.2"])
+    monkeypatch.setattr(jaxcheck, "jax_probe", lambda *a, **k: broken)
+    checks = doctor.check_runtime(str(tmp_path / "run"), "tpu", env=env, backend="jax")
+    assert doctor.would_fail(checks)
+    assert _detail(checks, "jax").endswith("pip install 'jax[tpu]==0.7.2'")
+    assert _detail(checks, "jax devices").startswith("key 'strategy': 'tpu' but JAX sees no TPU")
+    # --no-probe: the versions of this Python's distributions, no devices
+    checks = doctor.check_runtime(str(tmp_path / "run"), "tpu", env=env, backend="jax",
+                                  run_probe=False)
+    assert _levels(checks)["jax"] == OK and "jax devices" not in _levels(checks)
+
+
+@pytest.mark.integration
+def test_the_real_jax_probe_on_this_cpu_from_a_doctor_that_never_imports_jax(tmp_path):
+    import importlib.metadata
+
+    code = ("import json, sys; from orchestrator.ops import doctor\n"
+            f"checks = doctor.check_runtime({str(tmp_path)!r}, 'cpu', backend='jax')\n"
+            "print(json.dumps([[c.name, c.level, c.detail] for c in checks]))\n"
+            "bad = [m for m in sys.modules if m.split('.')[0] in "
+            "('jax', 'jaxlib', 'tensorflow', 'keras')]\n"
+            "print(bad); sys.exit(1 if bad else 0)")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=300, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert p.returncode == 0, p.stdout + p.stderr
+    checks = {name: (level, detail) for name, level, detail in json.loads(
+        p.stdout.splitlines()[0])}
+    jax, jaxlib, keras = (importlib.metadata.version(d) for d in ("jax", "jaxlib", "keras"))
+    assert checks["jax"] == (OK, f"jax {jax}, jaxlib {jaxlib}")
+    assert checks["keras"] == (OK, f"keras {keras}")
+    assert checks["jax devices"] == (OK, "default backend cpu: 1 CPU (cpu)")
+
+
+def test_backend_auto_resolving_to_jax_gets_the_jax_checks(tmp_path, monkeypatch):
+    _no_pip(monkeypatch)
+    monkeypatch.setattr(probes, "TPU_DEVICE_GLOBS", ())  # whatever this machine has
+    monkeypatch.setattr(doctor, "tensorflow_probe", lambda *a, **k: pytest.fail("imported TF"))
+    monkeypatch.setattr(jaxcheck, "jax_probe", lambda *a, **k: dict(CPU_PROBE))
+    checks = doctor.check_runtime(str(tmp_path / "run"), env={"PATH": "", "KERAS_BACKEND": "jax"})
+    assert _detail(checks, "backend") == "jax (KERAS_BACKEND=jax)"
+    assert (_levels(checks)["jax"], _levels(checks)["jax devices"]) == (OK, OK)
+    assert "tensorflow" not in _levels(checks)
+
+
+def test_a_jax_job_s_code_is_checked_only_when_jax_imports(tmp_path, monkeypatch):
+    monkeypatch.setenv("KERAS_BACKEND", "jax")  # the job's backend: auto resolves to JAX
+    _no_pip(monkeypatch)
+    monkeypatch.setattr(probes, "TPU_DEVICE_GLOBS", ())
+    newer = ("RuntimeError: jaxlib version 0.4.31 is newer than and incompatible with jax "
+             "version 0.4.20. Please update your jax and/or jaxlib packages.")
+    monkeypatch.setattr(jaxcheck, "jax_probe", lambda *a, **k: {
+        "versions": {"jax": "0.4.20", "jaxlib": "0.4.31", "keras": "3.8.0"}, "notes": [],
+        "import_error": newer})
+    monkeypatch.setattr(doctor, "check_job_code", lambda *a, **k: pytest.fail("built the job"))
+    env = {"PATH": "", "KERAS_BACKEND": "jax"}
+    checks = doctor.run(_digits_job(tmp_path), env=env)
+    assert "strategy auto, backend jax, 10 epochs" in checks[0].detail
+    assert (_levels(checks)["jax"], _levels(checks)["jax import"]) == (FAIL, FAIL)
+    assert (checks[-1].name, checks[-1].level) == ("job code", WARN)
+    assert "not checked: JAX" in checks[-1].detail
+    monkeypatch.setattr(jaxcheck, "jax_probe", lambda *a, **k: dict(CPU_PROBE))
+    monkeypatch.setattr(doctor, "check_job_code", lambda *a, **k: doctor.Check("job code", OK, ""))
+    assert doctor.run(_digits_job(tmp_path), env=env)[-1].level == OK

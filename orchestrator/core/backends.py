@@ -96,3 +96,18 @@ def versions(backend: str) -> dict[str, str]:
         except importlib.metadata.PackageNotFoundError:
             continue
     return out
+
+
+def jax_platforms(strategy: str, tpu_vm: bool, env=None) -> str | None:
+    """The ``JAX_PLATFORMS`` a JAX process for a worker of ``strategy`` runs with (None: unset,
+    JAX chooses): ``cpu`` for ``strategy: cpu``; on a TPU VM, for ``auto`` and ``tpu``, the TPU
+    named first unless the environment names the platforms already, because JAX skips a TPU
+    that fails to initialise (held by another process) and trains on the CPU, quietly, unless
+    the platform is named. The worker sets it (train/backends/jax_backend.py), and so does
+    ``doctor``'s JAX probe, which must see the devices the worker would see."""
+    env = os.environ if env is None else env
+    if strategy == "cpu":
+        return "cpu"
+    if strategy in (AUTO, "tpu") and tpu_vm:
+        return env.get("JAX_PLATFORMS", "tpu,cpu")
+    return env.get("JAX_PLATFORMS")

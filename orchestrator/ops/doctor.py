@@ -6,7 +6,8 @@ has TPU kernels (``ConfigureDistributedTPU``, lost when plain ``tensorflow`` is 
 ``tensorflow-tpu``); the accelerator in sight (TPU VM, legacy TPU node, GPU or none, with
 ``probes``, which never touch the chip) and whether it answers; on a TPU VM, libtpu (and
 ``tensorflow-tpu`` on TensorFlow). Colab's TPU runtimes ship JAX and no TensorFlow, so on JAX
-nothing imports TensorFlow, not even a probe, and no TensorFlow install is advised. Then the run
+nothing imports TensorFlow, not even a probe, and no TensorFlow install is advised: a JAX probe
+checks jax, jaxlib and Keras 3 and the devices JAX sees (``jaxcheck.py``). Then the run
 directory (on a mounted Drive? writable?), free disk and memory, pip. Given a job, its own code
 in a probe process (``python -m orchestrator.train.jobcheck``, on the CPU): modules, factories,
 compile identifiers, a model that builds and takes a batch through the first step's loss; a
@@ -23,13 +24,14 @@ import subprocess
 import sys
 import tempfile
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 from orchestrator.core import backends
 from orchestrator.core.osutil import read_json
+from orchestrator.ops import jaxcheck
+from orchestrator.ops.checks import FAIL, OK, PROBE_TIMEOUT_S, WARN, Check, run_probe
 from orchestrator.recovery import probes
 
-OK, WARN, FAIL = "ok", "warn", "fail"
 TF_DISTRIBUTIONS = ("tensorflow", "tensorflow-cpu", "tensorflow-tpu", "tensorflow-gpu",
                     "tensorflow-intel", "tensorflow-macos", "tf-nightly", "tf-nightly-cpu",
                     "tf-nightly-tpu")
@@ -46,7 +48,6 @@ TPU_ON_JAX = ("on Colab's TPU runtimes train on JAX, which they ship (`backend: 
               "fits their JAX (colabtools#5174, #5419); on another TPU VM: " + TPU_INSTALL)
 DRIVE_ROOT = "/content/drive"
 MIN_DISK_GB, LOW_DISK_GB, LOW_MEMORY_GB = 1.0, 5.0, 1.0
-PROBE_TIMEOUT_S = 300
 # The job-code probe imports TensorFlow and calls the job's data factory, which may download.
 JOB_CHECK_TIMEOUT_S = 900
 # The probes run this very orchestrator package, wherever the current directory is.
@@ -70,13 +71,6 @@ print(%r + json.dumps(out), flush=True)
 """ % _PROBE_TAG
 
 
-@dataclass
-class Check:
-    name: str
-    level: str
-    detail: str
-
-
 def _norm(name: str) -> str:
     return name.lower().replace("_", "-")
 
@@ -96,16 +90,7 @@ def tensorflow_probe(python: str = sys.executable, devices: bool = True,
                      timeout: float = PROBE_TIMEOUT_S) -> dict:
     """Import TensorFlow in a fresh process: version, TPU kernels, GPUs it sees (or error)."""
     cmd = [python, "-c", _PROBE] + (["--devices"] if devices else [])
-    try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                           stdin=subprocess.DEVNULL)
-    except subprocess.TimeoutExpired:
-        return {"error": f"importing TensorFlow took longer than {timeout:g} s"}
-    for line in p.stdout.splitlines():
-        if line.startswith(_PROBE_TAG):
-            return json.loads(line[len(_PROBE_TAG):])
-    tail = (p.stderr.strip().splitlines() or ["no output"])[-1]
-    return {"error": f"the probe exited {p.returncode}: {tail}"}
+    return run_probe(cmd, _PROBE_TAG, "importing TensorFlow", timeout)
 
 
 def _probe_env(base=None) -> dict:
@@ -216,13 +201,6 @@ def find_libtpu(env, search=None) -> str | None:
     return None
 
 
-def jax_tpu_install(dists: dict) -> str:
-    """The line that puts libtpu back beside this JAX: ``jax[tpu]`` at the installed jax's own
-    version, so pip adds the libtpu that release pins and never replaces the image's jax."""
-    pin = f"=={dists['jax']}" if dists.get("jax") else ""
-    return f"pip install 'jax[tpu]{pin}'"
-
-
 def check_tpu_software(found: probes.ProbeResult, dists: dict, libtpu: str | None,
                        wants_tpu: bool, backend: str = backends.TENSORFLOW) -> list[Check]:
     """On a TPU VM: libtpu installed, and on TensorFlow tensorflow-tpu? (Nothing to say
@@ -241,7 +219,8 @@ def check_tpu_software(found: probes.ProbeResult, dists: dict, libtpu: str | Non
                          + TPU_ON_JAX))
     libs = {k: v for k, v in dists.items() if k in ("libtpu", "libtpu-nightly")}
     version = ", ".join(f"{k} {v}" for k, v in libs.items())
-    who, how = (("JAX", jax_tpu_install(dists)) if backend == backends.JAX else
+    # on JAX: jax[tpu] at the installed jax's version adds the libtpu that release pins
+    who, how = (("JAX", jaxcheck.jax_install(dists, "tpu")) if backend == backends.JAX else
                 ("TensorFlow", TPU_ON_JAX))
     out.append(Check("libtpu", OK, f"{libtpu}" + (f" ({version})" if version else ""))
                if libtpu else
@@ -348,17 +327,27 @@ def check_runtime(run_dir: str, strategy: str = "auto", env=None, run_probe: boo
     ``spec.backend``); None: what ``backend: auto`` resolves to here. On JAX nothing here
     imports TensorFlow, not even in a probe: on a TPU VM that would load libtpu."""
     env = dict(os.environ if env is None else env)
-    backend = backend or backends.resolve(backends.AUTO, env)[0]
+    backend, why = (backend, "the job's") if backend else backends.resolve(backends.AUTO, env)
     found = find_accelerator(env)
     wants_tpu = found.accelerator.startswith("tpu") and strategy in ("auto", "tpu")
-    dists = installed_distributions(TF_DISTRIBUTIONS + TPU_DISTRIBUTIONS + ("jax",))
+    dists = installed_distributions(TF_DISTRIBUTIONS + TPU_DISTRIBUTIONS
+                                    + jaxcheck.DISTRIBUTIONS)
     tf_installed = any(k in TF_DISTRIBUTIONS for k in dists)
     on_tf = backend != backends.JAX
     probe = (tensorflow_probe(python, devices=not found.accelerator.startswith("tpu"))
              if run_probe and tf_installed and on_tf else None)
-    checks = [Check("python", OK, f"{sys.version.split()[0]} ({python})")]
-    checks += check_tensorflow(dists, probe, wants_tpu) if on_tf else []
+    jax_probe = (jaxcheck.jax_probe(strategy, found, python, env)
+                 if run_probe and "jax" in dists and not on_tf else None)
+    checks = [Check("python", OK, f"{sys.version.split()[0]} ({python})"),
+              Check("backend", OK, f"{backend} ({why})")]
+    if on_tf:
+        checks += check_tensorflow(dists, probe, wants_tpu)
+    else:
+        versions, requires = jaxcheck.probed_versions(jax_probe, dists)
+        checks += jaxcheck.check_versions(versions, requires, found, python)
     checks += check_accelerator(found, strategy, probe)
+    if not on_tf:
+        checks += jaxcheck.check_devices(jax_probe, strategy, found, versions)
     checks += check_tpu_software(found, dists, find_libtpu(env), wants_tpu, backend)
     checks += check_run_dir(run_dir, env, drive_root, ismount)
     checks.append(check_memory())
@@ -380,13 +369,17 @@ def run(job: str | None = None, run_dir: str | None = None, **kw) -> list[Check]
         else:
             strategy, run_dir = spec.strategy, spec.run_dir
             kw.setdefault("backend", spec.backend)
-            first.append(Check("job", OK, f"{spec.job_path}: strategy {strategy}, "
-                               f"{spec.epochs} epochs"))
+            first.append(Check("job", OK, f"{spec.job_path}: strategy {strategy}, backend "
+                               f"{spec.backend}, {spec.epochs} epochs"))
     checks = first + check_runtime(run_dir or os.getcwd(), strategy, **kw)
     if spec is not None and kw.get("run_probe", True):
         if spec.backend != backends.JAX and not any(
                 c.name == "tensorflow import" and c.level == OK for c in checks):
             checks.append(Check("job code", WARN, "not checked: TensorFlow does not import"))
+        elif spec.backend == backends.JAX and (  # "jax devices": JAX imported in the probe
+                not any(c.name == "jax devices" for c in checks)
+                or any(c.name == "keras" and c.level == FAIL for c in checks)):
+            checks.append(Check("job code", WARN, "not checked: JAX or Keras 3 does not import"))
         else:
             checks.append(check_job_code(spec.job_path, kw.get("python", sys.executable)))
     return checks

@@ -170,19 +170,17 @@ class JaxBackend:
     def configure(self, spec, cpu_devices: str | None, standby: bool) -> None:
         """Before JAX initialises its backend (its first device query): the environment is all
         it reads then."""
-        from orchestrator.core import tpuvm
+        from orchestrator.core import backends, tpuvm
         from orchestrator.core.rundir import ENV_STRATEGY
 
         if cpu_devices and int(cpu_devices) > 1:
             _add_xla_flags(f"{_CPU_SPLIT_FLAG}={int(cpu_devices)}")
         strategy = os.environ.get(ENV_STRATEGY) or spec.strategy  # a fallback's, if any
-        if strategy == "cpu":
-            os.environ["JAX_PLATFORMS"] = "cpu"
-        elif strategy in ("auto", "tpu") and tpuvm.device_files():
-            # JAX skips a TPU that fails to initialise and trains on the CPU, quietly, unless
-            # the platform is named: a TPU held by another process must fail this attempt
-            # with libtpu's own words, for the supervisor to classify and recover
-            os.environ.setdefault("JAX_PLATFORMS", "tpu,cpu")
+        # a TPU held by another process must fail this attempt with libtpu's own words, for
+        # the supervisor to classify and recover, not train on the CPU (doctor's probe too)
+        platforms = backends.jax_platforms(strategy, bool(tpuvm.device_files()))
+        if platforms is not None:
+            os.environ["JAX_PLATFORMS"] = platforms
         if standby:  # a standby beside the worker: neither takes 75 % of the GPU up front
             os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
         if spec.deterministic:
