@@ -174,7 +174,7 @@ def test_local_engine_rank_1_killed_mid_epoch_then_a_hung_rank_ends_bit_identica
     """Attempt 1: rank 1 SIGKILLed mid-epoch 2. Attempt 2: a rank hangs at step 80 (the
     injected fault fires in whichever rank claims it first); the other blocks in a collective,
     rank 0's heartbeat stops, the group is dumped and killed. Attempt 3 completes."""
-    events = _kill_rank_1_mid_epoch(_job(tmp_path, "hang_timeout: 4\n"), tmp_path / "run",
+    events = _kill_rank_1_mid_epoch(_job(tmp_path, "hang_timeout: 10\n"), tmp_path / "run",
                                     "local", reference, args=("--fault", "hang@step=80"))
     hang = next(e for e in events if e["event"] == "hang_detected")
     assert hang["attempt"] == 2 and len(hang["workers"]) == 2
