@@ -40,10 +40,16 @@ def check(spec) -> str:
     model = jobcode.build_model(spec, backend.placement(spec, None, False).strategy, data)
     jobcode.schedule(spec, model.optimizer)
     callbacks = jobcode.job_callbacks(spec)
-    optimizer = type(model.optimizer).__name__
+    from orchestrator.train import holders
+
+    optimizers = ", ".join(f"{g.cls}" + ("" if g.name == holders.OPTIMIZER else f" ({g.where})")
+                           for g in holders.discover(model).groups
+                           if g.kind == holders.OPTIMIZER) or "no optimizer"
+    step = ("builds (its own train_step decides what a batch is)" if jobcode.custom_step(model)
+            else "takes a batch of the {n} training examples through the first step's loss")
     return (f"imported {', '.join(sorted({f.target for f in made}))}; model {model.name} "
-            f"({model.count_params():,} parameters, {optimizer}) takes a batch of the "
-            f"{data.num_examples} training examples through the first step's loss"
+            f"({model.count_params():,} parameters, {optimizers}) "
+            + step.format(n=data.num_examples)
             + (f"; {len(callbacks)} callback(s)" if callbacks else ""))
 
 
