@@ -52,7 +52,7 @@ def export(run_dir: str, out: str | None = None) -> dict:
     jobcode.import_framework(spec)
     model = jobcode.resolve(spec, spec.model, "model")()
     jobcode.compile_model(model, spec)
-    if not model.built:
+    if not model.built and _has_call(model):
         x = datasets.unpack(datasets.sample_batch(jobcode.load_data(spec), 2))[0]
         model(x, training=False)
     if model.optimizer is not None:
@@ -80,6 +80,11 @@ def write(model, spec, checkpoint, out: str) -> dict:
     tmp = f"{final}.tmp-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     os.makedirs(tmp)
     try:
+        if not model.built and not _has_call(model) and all(
+                layer.built for layer in model._flatten_layers(include_self=False)):
+            # no forward pass to build it by: built is what its sub-models are (Keras's own
+            # default build() records just that), and save_weights asks for it
+            model.built = True
         model.save_weights(os.path.join(tmp, "model.weights.h5"))
         files = ["model.weights.h5"]
         from orchestrator.train import backends
@@ -136,19 +141,24 @@ def _attempt(write, done):
     still the run's result; the export says which files it has and why not the others."""
     try:
         write()
-    except (NotImplementedError, TypeError, ValueError, AttributeError) as exc:
-        return f"Keras could not write it ({type(exc).__name__}: {str(exc).splitlines()[0]})"
+    except Exception as exc:  # noqa: BLE001 - recorded in export.json: the weights are written
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        return f"Keras could not write it ({type(exc).__name__}: {first})"
     return done
 
 
-def _callable(model) -> bool:
-    """Whether the model has a forward pass of its own to save and serve: a model that only
-    holds sub-models for its custom ``train_step`` (keras-io's GAN and VAE) has none, and
-    ``model.keras`` and a SavedModel need one."""
+def _has_call(model) -> bool:
+    """Whether the model has a forward pass of its own: a model that only holds sub-models for
+    its custom ``train_step`` (keras-io's GAN) has none."""
     import keras
 
-    return type(model).call is not keras.Model.call and bool(getattr(model, "inputs", None)
-                                                             or model.built)
+    return type(model).call is not keras.Model.call
+
+
+def _callable(model) -> bool:
+    """Whether there is a forward pass to save and serve (``model.keras`` and a SavedModel
+    need one): a ``call`` of its own, and a model built by it."""
+    return _has_call(model) and bool(getattr(model, "inputs", None) or model.built)
 
 
 def main(argv=None) -> int:
