@@ -177,7 +177,8 @@ def built_over(group: Group, model_variables: list) -> list[int] | None:
 
 
 # Public number attributes Keras's own Model/Layer set (bools are never counted).
-_KERAS_NUMBERS = frozenset({"steps_per_execution", "input_dim", "units", "rate"})
+_KERAS_NUMBERS = frozenset({"steps_per_execution", "unrolled_steps_per_execution", "input_dim",
+                            "units", "rate"})
 
 
 def user_scalars(model) -> dict[str, float]:

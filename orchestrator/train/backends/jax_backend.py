@@ -74,7 +74,8 @@ def part_batches(part, seed: int, begin: int, end: int, global_batch: int,
     """Batches of epochs ``begin .. end-1`` of in-memory data (``datasets.JobData``'s part: x,
     (x, y), (x, y, sample_weight), dicts or tuples of arrays), each epoch in the order of a
     permutation drawn from ``(seed, epoch)`` alone, less the first ``skip_batches`` of
-    ``begin``. A generator: ``fit`` draws exactly ``steps_per_epoch`` batches per epoch.
+    ``begin``. A generator: ``fit`` draws exactly ``steps_per_epoch`` batches per epoch; each
+    batch is a tuple (x alone: ``(x,)``), as Keras requires of a generator's.
     ``rows``: only these rows of every global batch (a rank of a group feeds its own part)."""
     from orchestrator.train import datasets
 
@@ -88,7 +89,10 @@ def part_batches(part, seed: int, begin: int, end: int, global_batch: int,
             idx = order[start:start + global_batch]
             if rows is not None:
                 idx = idx[rows]
-            yield datasets.map_part(lambda a, idx=idx: a[idx], part)
+            batch = datasets.map_part(lambda a, idx=idx: a[idx], part)
+            # Keras takes a generator's batch only as a tuple: x alone is (x,), which its
+            # unpack_x_y_sample_weight (Keras's train_step, and a job's own) reads as x
+            yield batch if isinstance(batch, tuple) else (batch,)
 
 
 def rank_rows_of(n: int, global_batch: int, rows: slice) -> np.ndarray:
