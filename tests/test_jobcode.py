@@ -222,3 +222,30 @@ def test_keras_s_train_step_with_no_loss_at_all_is_named_by_compile_loss(job):
     with pytest.raises(jobcode.JobError) as e:
         _build(job(compile="{optimizer: adam}"))
     assert e.value.key == "compile.loss" and "has no loss" in str(e.value)
+
+
+def test_a_train_step_of_the_model_s_own_is_never_refused_for_what_x_is(job, tmp_path, capsys):
+    """The model's call takes a dict its train_step makes from the batch: the check cannot
+    build it from x, says so, and leaves it to the step (TensorFlow's fit builds nothing
+    before the step either)."""
+    (tmp_path / "picky_job.py").write_text(textwrap.dedent("""
+        import keras
+
+        class Picky(keras.Model):
+            def __init__(self):
+                super().__init__()
+                self.dense = keras.layers.Dense(3, activation="softmax")
+
+            def call(self, inputs):
+                return self.dense(inputs["features"])
+
+            def train_step(self, data):
+                x, y = data
+                return super().train_step(({"features": x}, y))
+
+        def build_model():
+            return Picky()
+    """))
+    model = _build(job(model="picky_job:build_model"))
+    assert not model.built
+    assert "is not built before its first step" in capsys.readouterr().out

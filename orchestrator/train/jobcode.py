@@ -298,8 +298,9 @@ def first_step(spec: JobSpec, model, batch):
       calls it, the job's override included), with ``training=False``; a model with no loss at
       all (no compiled loss, no ``add_loss``, no ``compute_loss`` of its own) is named, as
       ``fit`` would stop on it;
-    - a ``train_step`` of the model's own: only what ``fit`` does before it, build an unbuilt
-      model that has a forward pass on x; what a batch means is the job's code.
+    - a ``train_step`` of the model's own: only what ``fit`` may do before it, build an unbuilt
+      model that has a forward pass on x, never refusing (TensorFlow's ``fit`` leaves the build
+      to the step); what a batch means is the job's code.
 
     Seed-generator states are put back afterwards: nothing the resume sees has moved."""
     from orchestrator.train import backends, datasets
@@ -309,16 +310,25 @@ def first_step(spec: JobSpec, model, batch):
     if custom and (_built(model) or not _has_call(model)):
         return None
     kept = _kept_still(model)
+    if custom:  # build it as fit may; where x is not its input, its train_step knows better
+        try:
+            return model(x, training=False)
+        except Exception as exc:  # noqa: BLE001 - fit on TensorFlow defers the build: no refusal
+            print(f"[worker] the model is not built before its first step ({type(exc).__name__}"
+                  f": {str(exc).splitlines()[0] if str(exc) else ''}); its train_step builds "
+                  f"it; a checkpoint restores only into a model its factory builds", flush=True)
+            return None
+        finally:
+            _put_back(kept)
     try:
         y_pred = model(x, training=False)
-        if not custom:
-            loss = getattr(model, "_compute_loss", None)
-            if loss is not None:
-                loss(x, y, y_pred, sample_weight, training=False)
-            elif "training" in inspect.signature(model.compute_loss).parameters:
-                model.compute_loss(x, y, y_pred, sample_weight, training=False)
-            else:  # a model of the job's that overrides compute_loss the Keras 3.0 way
-                model.compute_loss(x, y, y_pred, sample_weight)
+        loss = getattr(model, "_compute_loss", None)
+        if loss is not None:
+            loss(x, y, y_pred, sample_weight, training=False)
+        elif "training" in inspect.signature(model.compute_loss).parameters:
+            model.compute_loss(x, y, y_pred, sample_weight, training=False)
+        else:  # a model of the job's that overrides compute_loss the Keras 3.0 way
+            model.compute_loss(x, y, y_pred, sample_weight)
     except backends.current().input_errors() as exc:
         # Keras wraps a layer's error in "Exception encountered when calling ..." and appends
         # "Arguments received by ...", whose tensor reprs say "shape": read the error itself.
@@ -340,12 +350,16 @@ def first_step(spec: JobSpec, model, batch):
             f"{spec.data.target} (x {_shapes(x)}; y {_shapes(y)}) fails in the first step: "
             f"{type(exc).__name__}: {text[0] if text else ''}", "model, data") from exc
     finally:
-        import numpy as np
-
-        for v, value in kept:
-            if not np.array_equal(v.numpy(), value):  # drawn from: put back
-                v.assign(value)
+        _put_back(kept)
     return y_pred
+
+
+def _put_back(kept) -> None:
+    import numpy as np
+
+    for v, value in kept:
+        if not np.array_equal(v.numpy(), value):  # drawn from: put back
+            v.assign(value)
 
 
 def build_model(spec: JobSpec, strategy, data):
