@@ -176,3 +176,76 @@ def test_a_job_that_imports_tensorflow_on_jax_without_it_is_told_before_training
     # on TensorFlow the same error is TensorFlow's own missing install: not the job's
     with pytest.raises(ModuleNotFoundError):
         jobcode.load_data(job(data="toy_job:tf_data", backend="tensorflow"))
+
+
+ANYMODEL = ("gan_job", "vae_job", "wgan_job", "closs_job")
+
+
+def _fixture_job(job, tmp_path, module, **keys):
+    """A job over one of tests/fixtures/anymodel's modules (the e2e test's jobs)."""
+    import shutil
+
+    from helpers import ROOT
+
+    for name in (module + ".py", "anymodel_data.py"):
+        shutil.copy(f"{ROOT}/tests/fixtures/anymodel/{name}", tmp_path)
+    return job(model=f"{module}:build_model", data=f"{module}:load_data", **keys)
+
+
+@pytest.mark.parametrize("module", ANYMODEL)
+def test_the_first_step_check_never_refuses_a_model_fit_trains(job, tmp_path, module):
+    """A train_step of the model's own, its own compile(d_optimizer, g_optimizer, loss_fn) with
+    no compile section, no compiled loss, optimizers as attributes, x-only data, dict inputs
+    and sample weights: the check builds what fit builds and refuses none of them."""
+    import dataclasses
+
+    spec = _fixture_job(job, tmp_path, module)
+    if module != "closs_job":
+        spec = dataclasses.replace(spec, compile=None)  # the factory compiles
+    model = _build(spec)
+    assert model.variables and model.optimizer.built
+    if module in ("gan_job", "wgan_job"):
+        assert not model.built  # no call(): fit builds nothing either, its train_step runs
+        assert not model.d_optimizer.built  # at its first step, as under fit
+    assert all(float(v.numpy()) == 0 for v in model.metrics_variables)
+
+
+def test_a_compile_section_the_model_s_own_compile_does_not_take_is_named(job, tmp_path):
+    with pytest.raises(jobcode.JobError) as e:
+        _build(_fixture_job(job, tmp_path, "gan_job"))
+    assert e.value.key == "compile"
+    msg = str(e.value)
+    assert "(d_optimizer, g_optimizer, loss_fn)" in msg and "drop the 'compile' section" in msg
+
+
+def test_keras_s_train_step_with_no_loss_at_all_is_named_by_compile_loss(job):
+    with pytest.raises(jobcode.JobError) as e:
+        _build(job(compile="{optimizer: adam}"))
+    assert e.value.key == "compile.loss" and "has no loss" in str(e.value)
+
+
+def test_a_train_step_of_the_model_s_own_is_never_refused_for_what_x_is(job, tmp_path, capsys):
+    """The model's call takes a dict its train_step makes from the batch: the check cannot
+    build it from x, says so, and leaves it to the step (TensorFlow's fit builds nothing
+    before the step either)."""
+    (tmp_path / "picky_job.py").write_text(textwrap.dedent("""
+        import keras
+
+        class Picky(keras.Model):
+            def __init__(self):
+                super().__init__()
+                self.dense = keras.layers.Dense(3, activation="softmax")
+
+            def call(self, inputs):
+                return self.dense(inputs["features"])
+
+            def train_step(self, data):
+                x, y = data
+                return super().train_step(({"features": x}, y))
+
+        def build_model():
+            return Picky()
+    """))
+    model = _build(job(model="picky_job:build_model"))
+    assert not model.built
+    assert "is not built before its first step" in capsys.readouterr().out

@@ -54,8 +54,8 @@ def test_defaults_and_relative_run_dir(write_job, tmp_path, monkeypatch):
     (VALID.replace("model: my_job:build_model", "model: my_job.build_model"), 3, "model",
      "expected 'module:function'"),
     (VALID.replace("args: {synthetic: true}", "args: [1]"), 6, "data.args", "expected a mapping"),
-    (VALID.replace("  loss: sparse_categorical_crossentropy\n", ""), 7, "compile.loss",
-     "required key is missing"),
+    (VALID.replace("loss: sparse_categorical_crossentropy", "loss: [mse]"), 9, "compile.loss",
+     "expected a loss name"),
     (VALID.replace("metrics: [accuracy]", "metrics: accuracy"), 10, "compile.metrics",
      "expected a list"),
 ])
@@ -66,6 +66,12 @@ def test_errors_name_file_line_key_and_expectation(write_job, text, line, key, e
     msg = str(e.value)
     assert msg.startswith(f"{path}:{line}: key '{key}'"), msg
     assert expected in msg
+
+
+def test_a_compile_section_may_leave_the_loss_to_the_model(write_job):
+    """A VAE's train_step computes its own loss: compile: {optimizer: adam} is all it needs."""
+    spec = load(write_job(VALID.replace("  loss: sparse_categorical_crossentropy\n", "")))
+    assert spec.compile.loss is None and spec.compile.optimizer
 
 
 def test_missing_required_key(write_job):

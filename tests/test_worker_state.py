@@ -168,3 +168,73 @@ def test_checkpoints_every_n_seconds_within_epochs_and_once_at_the_end(tmp_path,
     assert final["state_sha256"] == state.state_fingerprint(m)
     mid = state.load_arrays(store.list()[0].path)
     assert any(k.startswith("metrics.") for k in mid)  # the epoch's running metrics
+
+
+def _noisy_model():
+    """Unseeded keras.random draws in a layer: Keras's global seed generator holds their state."""
+
+    class Noisy(keras.layers.Layer):
+        def call(self, x, training=False):
+            return x + (keras.random.normal(keras.ops.shape(x)) if training else 0)
+
+    keras.utils.set_random_seed(3)
+    m = keras.Sequential([keras.Input((4,)), Noisy(), keras.layers.Dense(2)])
+    m.compile(optimizer="adam", loss="mse")
+    m.optimizer.build(m.trainable_variables)
+    return m
+
+
+def test_the_global_seed_generator_of_unseeded_draws_is_in_the_checkpoint():
+    """On TensorFlow unseeded keras.random calls draw from a global SeedGenerator: a resumed
+    process creates it and restores its state, so the next draws are the uninterrupted run's
+    (without its group in the checkpoint the weights differ: checked when written)."""
+    from keras.src.backend.common import global_state
+    from keras.src.random import seed_generator
+
+    if keras.backend.backend() != "tensorflow":
+        pytest.skip("JAX refuses unseeded draws in a traced step")
+    y = np.stack([X.sum(1), X[:, 0]], axis=1)
+    a = _noisy_model()
+    a.fit(X, y, epochs=1, batch_size=8, shuffle=False, verbose=0)
+    arrays, layout = state.capture(a), state.layout(a)
+    assert "seed@global" in {state.group_of(k) for k in arrays}
+    a.fit(X, y, epochs=1, batch_size=8, shuffle=False, verbose=0)
+    global_state.set_global_attribute(seed_generator.GLOBAL_SEED_GENERATOR, None)  # a new process
+    b = _noisy_model()
+    state.restore(b, arrays, layout)
+    b.fit(X, y, epochs=1, batch_size=8, shuffle=False, verbose=0)
+    assert state.fingerprint(a) == state.fingerprint(b)
+
+
+def test_a_checkpoint_names_the_state_it_cannot_hold(tmp_path):
+    """A NumPy generator on the model and a Python counter its train_step moves: the manifest
+    says both (the worker journals them as resume_not_exact when it resumes from it)."""
+    from orchestrator.train import callbacks as cbm
+    from orchestrator.checkpoint.store import CheckpointStore
+    from orchestrator.core.heartbeat import Position
+    from orchestrator.core.spec import CheckpointSpec
+
+    class Counting(keras.Model):
+        def train_step(self, data):
+            self.steps_taken += 1  # run eagerly: once a step
+            return super().train_step(data)
+
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((4,))
+    m = Counting(inputs, keras.layers.Dense(2, activation="softmax")(inputs))
+    m.steps_taken = 0
+    m.rng = np.random.default_rng(0)
+    m.compile(optimizer="sgd", loss="sparse_categorical_crossentropy", run_eagerly=True)
+    progress, store = Position(), CheckpointStore(str(tmp_path / "ck"))
+    ckpt_cb = cbm.CheckpointCallback(store, CheckpointSpec(every_epochs=1, keep=5,
+                                                           background=False),
+                                     progress, steps_per_epoch=4, last_epoch=1, history=[],
+                                     base_manifest={}, states=CallbackStates([]))
+    training = cbm.OneTraining([cbm.ProgressCallback(progress), ckpt_cb])
+    m.fit(X, Y, batch_size=8, epochs=1, verbose=0, shuffle=False, callbacks=[training])
+    training.finish()
+    outside = store.list()[-1].manifest["outside_state"]
+    assert len(outside) == 2, outside
+    assert outside[0].startswith("model.rng (numpy Generator): a random generator outside Keras")
+    assert outside[1].startswith(f"{m.name}.steps_taken (a Python number on the model, 0 when "
+                                 f"training began, 4 now)")

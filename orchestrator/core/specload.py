@@ -368,18 +368,20 @@ def _read(r: _Reader, data: dict, path: str, run_dir: str | None,
 
     compile_spec = None
     if "compile" in data:
-        c = r.mapping(data["compile"], "compile", _keys(CompileSpec), {"loss"})
+        # no loss: a model whose train_step or compute_loss computes its own (a VAE); Keras's
+        # own train_step without one is named before training (train/jobcode.first_step)
+        c = r.mapping(data["compile"], "compile", _keys(CompileSpec))
         opt = c.get("optimizer", _CM.optimizer)
         if not isinstance(opt, (str, dict)):
             r.fail("compile.optimizer", f"expected a name like 'adam' or a mapping "
                    f"{{class_name: ..., config: ...}}, got {opt!r}")
-        if not isinstance(c["loss"], (str, dict)):
+        if c.get("loss") is not None and not isinstance(c["loss"], (str, dict)):
             r.fail("compile.loss", f"expected a loss name like 'sparse_categorical_crossentropy', "
                    f"got {c['loss']!r}")
         metrics = c.get("metrics", [])
         if not isinstance(metrics, list) or not all(isinstance(m, str) for m in metrics):
             r.fail("compile.metrics", f"expected a list of metric names, got {metrics!r}")
-        compile_spec = CompileSpec(opt, c["loss"], tuple(metrics))
+        compile_spec = CompileSpec(opt, c.get("loss"), tuple(metrics))
 
     job_dir = os.path.dirname(os.path.abspath(path))
     rd = run_dir if run_dir is not None else r.string(data, "run_dir", "run_dir",

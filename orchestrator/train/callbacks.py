@@ -13,7 +13,7 @@ import time
 import keras
 import numpy as np
 
-from orchestrator.train import state
+from orchestrator.train import holders, state
 from orchestrator.checkpoint import writer
 from orchestrator.checkpoint.store import CheckpointStore
 from orchestrator.checkpoint.writer import CheckpointWriter
@@ -21,9 +21,12 @@ from orchestrator.core.heartbeat import HeartbeatWriter, Phase, Position
 from orchestrator.core.spec import CheckpointSpec
 
 
-def get_learning_rate(optimizer) -> float:
+def get_learning_rate(optimizer) -> float | None:
     """The current rate through the public property (wrappers such as LossScaleOptimizer
-    forward it to the optimizer they wrap)."""
+    forward it to the optimizer they wrap); None for a model compiled without an optimizer (a
+    custom ``train_step`` with optimizers of its own)."""
+    if optimizer is None:
+        return None
     return float(keras.ops.convert_to_numpy(optimizer.learning_rate))
 
 
@@ -129,7 +132,7 @@ class LearningRateCallback(keras.callbacks.Callback):
         if epoch == self.skip_epoch:
             self.skip_epoch = None
             return
-        opt = self.model.optimizer
+        opt = self.model.optimizer  # never None: jobcode.schedule refuses a schedule without one
         opt.learning_rate = float(self.schedule(epoch, get_learning_rate(opt)))
 
 
@@ -278,6 +281,7 @@ class CheckpointCallback(keras.callbacks.Callback):
         self.notice = notice  # preemption.PreemptionNotice: SIGTERM -> commit now, then stop
         self.writer = writer or CheckpointWriter(background=ckpt.background)
         self._snapshot = None
+        self._scalars0: dict | None = None  # holders.user_scalars when training began
         self._last_commit = time.monotonic()
         self._committed_step: int | None = None
         self._metrics: dict = {}
@@ -285,6 +289,18 @@ class CheckpointCallback(keras.callbacks.Callback):
     def set_model(self, model):
         super().set_model(model)
         self._snapshot = state.Snapshot(model, compiled=self.writer.background)
+        if self._scalars0 is None:
+            self._scalars0 = holders.user_scalars(model)
+
+    def _outside_state(self) -> list[str]:
+        """What the checkpoint cannot hold, for a resume to say (``resume_not_exact``): random
+        generators outside Keras found on the model, and the job's own number attributes that
+        changed since training began (a Python counter a ``train_step`` keeps)."""
+        changed = [f"{k} (a Python number on the model, {self._scalars0[k]!r} when training "
+                   f"began, {v!r} now): no checkpoint holds it; keep it in a keras.Variable"
+                   for k, v in holders.user_scalars(self.model).items()
+                   if k in self._scalars0 and self._scalars0[k] != v]
+        return list(self._snapshot.outside) + changed
 
     def on_train_begin(self, logs=None):
         self.writer.prepare(self._snapshot.warm)
@@ -354,7 +370,8 @@ class CheckpointCallback(keras.callbacks.Callback):
             self.base_manifest, epoch=p.epoch, batch=p.batch if mid_epoch else 0,
             metrics=dict(metrics), history=[dict(h) for h in self.history],
             stopped_early=stopped_early, learning_rate=get_learning_rate(self.model.optimizer),
-            callbacks=copy.deepcopy(states), variables=self._snapshot.description)
+            callbacks=copy.deepcopy(states), variables=self._snapshot.description,
+            holders=copy.deepcopy(self._snapshot.holders), outside_state=self._outside_state())
         capture_ms = round((time.perf_counter() - t0) * 1000.0, 2)
         snapshot, store, keep, step = self._snapshot, self.store, self.ckpt.keep, p.step
         if not self.chief:

@@ -22,7 +22,10 @@ class DataError(Exception):
 
 @dataclass
 class JobData:
-    train: tuple | object  # (x, y) arrays, or an unbatched tf.data.Dataset of (x, y)
+    # a part: (x,) / (x, y) / (x, y, sample_weight), or x alone (an array or a dict of arrays),
+    # each of x, y, sample_weight an array or a dict or tuple of arrays; or an unbatched
+    # tf.data.Dataset of such elements
+    train: tuple | object
     validation: tuple | object | None
     num_examples: int
 
@@ -34,14 +37,74 @@ def is_tf_dataset(obj) -> bool:
     return tf is not None and isinstance(obj, tf.data.Dataset)
 
 
+def leaves(part) -> list:
+    """The arrays of a part, in order (dicts by their insertion order)."""
+    if isinstance(part, dict):
+        return [a for v in part.values() for a in leaves(v)]
+    if isinstance(part, (tuple, list)):
+        return [a for v in part for a in leaves(v)]
+    return [part]
+
+
+def map_part(fn, part):
+    """``part`` with ``fn`` applied to each of its arrays, its structure kept (lists become
+    tuples: tf.data would stack a list of arrays into one tensor)."""
+    if isinstance(part, dict):
+        return {k: map_part(fn, v) for k, v in part.items()}
+    if isinstance(part, (tuple, list)):
+        return tuple(map_part(fn, v) for v in part)
+    return fn(part)
+
+
+def unpack(batch) -> tuple:
+    """(x, y, sample_weight) of a batch, by the rule Keras's ``fit`` applies to one
+    (``unpack_x_y_sample_weight``): a tuple of 1, 2 or 3 is (x), (x, y), (x, y, sw); anything
+    else is x alone."""
+    if isinstance(batch, list):
+        batch = tuple(batch)
+    if not isinstance(batch, tuple):
+        return batch, None, None
+    return tuple(batch) + (None,) * (3 - len(batch))
+
+
+def _part(part, name: str, where: str):
+    """One of train / validation as arrays, checked: every array has the same number of rows."""
+    if part is None or is_tf_dataset(part):
+        return part
+    if isinstance(part, (tuple, list)) and not 1 <= len(part) <= 3:
+        raise DataError(f"{where}: {name} data must be x, (x,), (x, y) or (x, y, sample_weight) "
+                        f"(as Keras's fit takes them), got a {type(part).__name__} of "
+                        f"{len(part)} items")
+    if not isinstance(part, (tuple, list, dict, np.ndarray)) and not hasattr(part, "__array__"):
+        raise DataError(f"{where}: {name} data must be arrays: x, (x, y) or (x, y, "
+                        f"sample_weight), got {type(part).__name__}")
+    part = map_part(np.asarray, part)
+    rows = {len(a) if a.ndim else 0 for a in leaves(part)}
+    if len(rows) != 1:
+        raise DataError(f"{where}: {name} arrays have different numbers of rows "
+                        f"({', '.join(str(r) for r in sorted(rows))}): x, y and sample_weight "
+                        f"must have one row per example")
+    return part
+
+
+def rows(part) -> int:
+    return len(leaves(part)[0])
+
+
 def normalise(result, where: str) -> JobData:
-    """Accept ``{"train": ..., "validation": ...}``, ``(train, validation)`` or ``(x, y)``."""
+    """Accept ``{"train": ..., "validation": ...}``, ``(train, validation)``, ``(x, y)``, or x
+    alone (an array: a model whose ``train_step`` needs no labels). A part is what Keras's
+    ``fit`` takes: x, (x,), (x, y) or (x, y, sample_weight), where x, y and the weights may be
+    dicts or tuples of arrays (several inputs or outputs); a tuple of inputs with no labels is
+    written ((x1, x2),)."""
     if isinstance(result, dict):
         unknown = set(result) - {"train", "validation"}
         if "train" not in result or unknown:
             raise DataError(f"{where}: expected a dict with 'train' and optionally 'validation', "
                             f"got keys {sorted(result)}")
         train, val = result["train"], result.get("validation")
+    elif isinstance(result, np.ndarray):
+        train, val = result, None
     elif isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], np.ndarray):
         train, val = result, None
     elif isinstance(result, (tuple, list)) and len(result) == 2:
@@ -49,27 +112,17 @@ def normalise(result, where: str) -> JobData:
     elif is_tf_dataset(result):
         train, val = result, None
     else:
-        raise DataError(f"{where}: expected (x, y) arrays, (train, validation), a dict with "
+        raise DataError(f"{where}: expected x or (x, y) arrays, (train, validation), a dict with "
                         f"'train'/'validation' or a tf.data.Dataset; got {type(result).__name__}")
-    for name, part in (("train", train), ("validation", val)):
-        if part is None or is_tf_dataset(part):
-            continue
-        if not (isinstance(part, (tuple, list)) and len(part) == 2):
-            raise DataError(f"{where}: {name} data must be an (x, y) pair of arrays, "
-                            f"got {type(part).__name__}")
-        if len(part[0]) != len(part[1]):
-            raise DataError(f"{where}: {name} x has {len(part[0])} rows but y has {len(part[1])}")
+    train, val = _part(train, "train", where), _part(val, "validation", where)
     if is_tf_dataset(train):
         n = int(train.cardinality())
         if n < 0:  # unknown or infinite: count once
             n = int(train.reduce(np.int64(0), lambda c, _: c + 1))
     else:
-        train = (np.asarray(train[0]), np.asarray(train[1]))
-        n = len(train[0])
+        n = rows(train)
     if n == 0:
         raise DataError(f"{where}: the training data is empty")
-    if val is not None and not is_tf_dataset(val):
-        val = (np.asarray(val[0]), np.asarray(val[1]))
     return JobData(train, val, n)
 
 
@@ -94,14 +147,14 @@ def train_dataset(data: JobData, seed: int, start_epoch: int, end_epoch: int, gl
             return base.shuffle(min(data.num_examples, 10_000), seed=seed * 1_000_003 + e,
                                 reshuffle_each_iteration=False).batch(global_batch, drop_remainder)
     else:
-        x, y = (tf.constant(a) for a in data.train)
+        arrays = map_part(tf.constant, data.train)
         n = data.num_examples
 
         def epoch(e):
             key = tf.stack([tf.constant(seed, tf.int64), e])
             perm = tf.argsort(tf.random.stateless_uniform([n], seed=key))
             idx = tf.data.Dataset.from_tensor_slices(perm).batch(global_batch, drop_remainder)
-            return idx.map(lambda i: (tf.gather(x, i), tf.gather(y, i)))
+            return idx.map(lambda i: map_part(lambda t: tf.gather(t, i), arrays))
 
     if isinstance(data.train, tf.data.Dataset):
         # The epochs one after another with a Python int for each shuffle's seed: a seed tensor
@@ -143,8 +196,9 @@ def validation_dataset(data: JobData, global_batch: int, drop_remainder: bool):
 
 
 def sample_batch(data: JobData, size: int):
-    """A few training examples ``(x, y)``, to build the model's and the metrics' variables
-    before training (a checkpoint can only be restored into variables that exist)."""
+    """A few training examples in the structure of a training batch (``unpack`` gives x, y,
+    sample_weight), to build the model's and the metrics' variables before training (a
+    checkpoint can only be restored into variables that exist)."""
     if is_tf_dataset(data.train):
         return next(iter(data.train.batch(size)))
-    return data.train[0][:size], data.train[1][:size]
+    return map_part(lambda a: a[:size], data.train)

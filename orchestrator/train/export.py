@@ -52,11 +52,12 @@ def export(run_dir: str, out: str | None = None) -> dict:
     jobcode.import_framework(spec)
     model = jobcode.resolve(spec, spec.model, "model")()
     jobcode.compile_model(model, spec)
-    if not model.built:
-        x, _ = datasets.sample_batch(jobcode.load_data(spec), 2)  # x only: (x, y) is no input
+    if not model.built and _has_call(model):
+        x = datasets.unpack(datasets.sample_batch(jobcode.load_data(spec), 2))[0]
         model(x, training=False)
-    model.optimizer.build(model.trainable_variables)
-    state.restore(model, state.load_arrays(latest.path))
+    if model.optimizer is not None:
+        model.optimizer.build(model.trainable_variables)
+    state.restore(model, state.load_arrays(latest.path), latest.manifest.get("holders"))
     return write(model, spec, latest, out or rd.export)
 
 
@@ -79,26 +80,44 @@ def write(model, spec, checkpoint, out: str) -> dict:
     tmp = f"{final}.tmp-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     os.makedirs(tmp)
     try:
-        model.save(os.path.join(tmp, "model.keras"))
+        if not model.built and not _has_call(model) and all(
+                layer.built for layer in model._flatten_layers(include_self=False)):
+            # no forward pass to build it by: built is what its sub-models are (Keras's own
+            # default build() records just that), and save_weights asks for it
+            model.built = True
         model.save_weights(os.path.join(tmp, "model.weights.h5"))
+        files = ["model.weights.h5"]
         from orchestrator.train import backends
 
         why_not = backends.current().can_export_saved_model()
-        if why_not is None:
-            model.export(os.path.join(tmp, "saved_model"), format="tf_saved_model",
-                         verbose=False)
+        keras_file = _NO_CALL
+        if _callable(model):
+            keras_file = _attempt(lambda: model.save(os.path.join(tmp, "model.keras")),
+                                  "model.keras")
+            if keras_file == "model.keras":
+                files.append(keras_file)
         else:
-            print(f"[export] no saved_model/: {why_not}; model.keras and model.weights.h5 "
-                  f"are written", flush=True)
+            why_not = why_not or _NO_CALL
+        if keras_file != "model.keras":
+            print(f"[export] no model.keras: {keras_file}", flush=True)
+        if why_not is None:
+            why_not = _attempt(lambda: model.export(os.path.join(tmp, "saved_model"),
+                                                    format="tf_saved_model", verbose=False),
+                               None)
+            if why_not is not None:
+                shutil.rmtree(os.path.join(tmp, "saved_model"), ignore_errors=True)
+        if why_not is not None:
+            print(f"[export] no saved_model/: {why_not}; {', '.join(sorted(files))} "
+                  f"written", flush=True)
         facts = {
             "run": spec.name, "step": checkpoint.step, "epoch": checkpoint.epoch,
             "checkpoint": checkpoint.path, "weights_sha256": fp,
             "training_hash": spec.training_hash(), "exported_at": round(time.time(), 3),
             "keras": keras.__version__, "backend": keras.backend.backend(),
-            "saved_model": why_not or "saved_model/",
-            "inputs": [{"shape": list(t.shape), "dtype": str(t.dtype)} for t in model.inputs],
-            "files": {n: {"sha256": sha256_file(os.path.join(tmp, n))}
-                      for n in ("model.keras", "model.weights.h5")},
+            "saved_model": why_not or "saved_model/", "model_keras": keras_file,
+            "inputs": [{"shape": list(t.shape), "dtype": str(t.dtype)}
+                       for t in (getattr(model, "inputs", None) or [])],
+            "files": {n: {"sha256": sha256_file(os.path.join(tmp, n))} for n in sorted(files)},
         }
         write_json_atomic(os.path.join(tmp, "export.json"), facts)
         if os.path.exists(final):
@@ -112,6 +131,36 @@ def write(model, spec, checkpoint, out: str) -> dict:
     return dict(facts, path=final)
 
 
+_NO_CALL = ("the model defines no call() (a GAN or VAE driven by its own train_step): only its "
+            "weights are exported; load them into the job's build_model")
+
+
+def _attempt(write, done):
+    """``done`` when ``write()`` succeeds, else why it failed, for ``export.json``: a
+    subclassed model (a GAN, a VAE) may have no config Keras can save, and its weights are
+    still the run's result; the export says which files it has and why not the others."""
+    try:
+        write()
+    except Exception as exc:  # noqa: BLE001 - recorded in export.json: the weights are written
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        return f"Keras could not write it ({type(exc).__name__}: {first})"
+    return done
+
+
+def _has_call(model) -> bool:
+    """Whether the model has a forward pass of its own: a model that only holds sub-models for
+    its custom ``train_step`` (keras-io's GAN) has none."""
+    import keras
+
+    return type(model).call is not keras.Model.call
+
+
+def _callable(model) -> bool:
+    """Whether there is a forward pass to save and serve (``model.keras`` and a SavedModel
+    need one): a ``call`` of its own, and a model built by it."""
+    return _has_call(model) and bool(getattr(model, "inputs", None) or model.built)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m orchestrator.train.export")
     p.add_argument("run_dir")
@@ -123,7 +172,7 @@ def main(argv=None) -> int:
     except (ExportError, SpecError, JobError) as exc:
         print(f"[export] {exc}", file=sys.stderr, flush=True)
         return EXIT_CONFIG
-    written = "model.keras, model.weights.h5" + (
+    written = ", ".join(sorted(facts["files"])) + (
         ", saved_model/" if facts["saved_model"] == "saved_model/" else "")
     print(f"[export] epoch {facts['epoch']} (step {facts['step']}, weights sha256 "
           f"{facts['weights_sha256']}) -> {facts['path']}: {written}", flush=True)

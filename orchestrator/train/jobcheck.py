@@ -17,6 +17,8 @@ import sys
 import time
 import traceback
 
+import numpy as np
+
 from orchestrator.core.backends import ENV_BACKEND
 from orchestrator.core.osutil import write_json_atomic
 from orchestrator.core.rundir import EXIT_CONFIG
@@ -40,10 +42,19 @@ def check(spec) -> str:
     model = jobcode.build_model(spec, backend.placement(spec, None, False).strategy, data)
     jobcode.schedule(spec, model.optimizer)
     callbacks = jobcode.job_callbacks(spec)
-    optimizer = type(model.optimizer).__name__
+    from orchestrator.train import holders
+
+    optimizers = ", ".join(f"{g.cls}" + ("" if g.name == holders.OPTIMIZER else f" ({g.where})")
+                           for g in holders.discover(model).groups
+                           if g.kind == holders.OPTIMIZER) or "no optimizer"
+    step = ("builds (its own train_step decides what a batch is)" if jobcode.custom_step(model)
+            else "takes a batch of the {n} training examples through the first step's loss")
+    # counted from the weights: count_params() refuses a model with no call() of its own to
+    # build it (keras-io's GAN), which fit trains all the same
+    params = sum(int(np.prod(w.shape)) for w in model.weights)
     return (f"imported {', '.join(sorted({f.target for f in made}))}; model {model.name} "
-            f"({model.count_params():,} parameters, {optimizer}) takes a batch of the "
-            f"{data.num_examples} training examples through the first step's loss"
+            f"({params:,} parameters, {optimizers}) "
+            + step.format(n=data.num_examples)
             + (f"; {len(callbacks)} callback(s)" if callbacks else ""))
 
 

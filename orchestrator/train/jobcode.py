@@ -219,6 +219,8 @@ def check_compile(spec: JobSpec) -> None:
     else:
         losses = {"compile.loss": c.loss}
     for key, loss in losses.items():
+        if loss is None:  # the model computes its own (a train_step or compute_loss)
+            continue
         _check_identifier(spec, key, loss, keras.losses, keras.losses.Loss,
                           _COMPILE_ALIASES["loss"])
     for i, m in enumerate(c.metrics):
@@ -227,16 +229,25 @@ def check_compile(spec: JobSpec) -> None:
 
 
 def compile_model(model, spec: JobSpec, checked: bool = False) -> None:
-    """Compile with the job's ``compile`` section, or keep the factory's compiled model."""
+    """Compile with the job's ``compile`` section, or keep the factory's compiled model (a
+    model with a ``compile`` of its own, ``compile(d_optimizer, g_optimizer, loss_fn)``, is
+    compiled by its factory: the section is optional)."""
     if spec.compile is not None:
         if not checked:
             check_compile(spec)
-        model.compile(optimizer=spec.compile.optimizer, loss=spec.compile.loss,
-                      metrics=list(spec.compile.metrics))
-    elif not getattr(model, "compiled", False) or model.optimizer is None:
+        try:
+            model.compile(optimizer=spec.compile.optimizer, loss=spec.compile.loss,
+                          metrics=list(spec.compile.metrics))
+        except TypeError as exc:
+            raise JobError(
+                f"{_where(spec, 'compile')}: the model's own compile"
+                f"{inspect.signature(model.compile)} does not take the job's compile section "
+                f"(optimizer, loss, metrics): {exc}; compile the model in its factory "
+                f"({spec.model.target}) and drop the 'compile' section", "compile") from exc
+    elif not getattr(model, "compiled", False):
         raise JobError(f"{spec.job_path}: the model factory returned an uncompiled model and "
-                       f"the job has no 'compile' section (give compile: {{optimizer, loss}})",
-                       "compile")
+                       f"the job has no 'compile' section (give compile: {{optimizer, loss}}, "
+                       f"or compile the model in {spec.model.target})", "compile")
 
 
 def _shapes(t) -> str:
@@ -246,24 +257,90 @@ def _shapes(t) -> str:
     return ", ".join(str(s) for s in shapes) if shapes else "none"
 
 
-def first_step(spec: JobSpec, model, x, y):
-    """The first step's forward pass and loss on a sample batch, before training: a model and
-    data that do not fit fail here, named by both keys, instead of in ``fit`` as ``unknown``.
-    Runs with ``training=False``: no RNG drawn, no statistics moved, nothing the resume sees."""
-    from orchestrator.train import backends
+def custom_step(model) -> bool:
+    """Whether the model trains with a ``train_step`` of its own (a GAN, a VAE): then only the
+    job's code knows what a batch is, and which optimizer applies to which variables."""
+    import keras
 
+    return type(model).train_step is not keras.Model.train_step
+
+
+def _has_call(model) -> bool:
+    """Whether the model has a forward pass (keras-io's GAN and VAE have none: their
+    ``train_step`` calls the sub-models)."""
+    import keras
+
+    return type(model).call is not keras.Model.call
+
+
+def _built(model) -> bool:
+    return all(layer.built for layer in model._flatten_layers())
+
+
+def _kept_still(model):
+    """The seed-generator states before the check, put back after it: a layer that draws
+    even with ``training=False`` (a VAE's sampling layer) must not start training from a
+    state a plain ``fit`` would not have."""
+    from orchestrator.train import holders
+
+    found = holders.discover(model)
+    seeds = [v for g in found.groups if g.kind == holders.SEED for v in g.variables]
+    seeds += [v for v in model.non_trainable_variables if "seed" in (v.path or "")]
+    return [(v, v.numpy()) for v in seeds]
+
+
+def first_step(spec: JobSpec, model, batch):
+    """What ``fit`` will first do with a sample batch, before training: a model and data that
+    do not fit fail here, named by both keys, instead of in ``fit`` as ``unknown``. It never
+    refuses what ``fit`` trains:
+
+    - Keras's own ``train_step``: the forward pass and the loss (``compute_loss`` as the step
+      calls it, the job's override included), with ``training=False``; a model with no loss at
+      all (no compiled loss, no ``add_loss``, no ``compute_loss`` of its own) is named, as
+      ``fit`` would stop on it;
+    - a ``train_step`` of the model's own: only what ``fit`` may do before it, build an unbuilt
+      model that has a forward pass on x, never refusing (TensorFlow's ``fit`` leaves the build
+      to the step); what a batch means is the job's code.
+
+    Seed-generator states are put back afterwards: nothing the resume sees has moved."""
+    from orchestrator.train import backends, datasets
+
+    x, y, sample_weight = datasets.unpack(batch)
+    custom = custom_step(model)
+    if custom and (_built(model) or not _has_call(model)):
+        return None
+    kept = _kept_still(model)
+    if custom:  # build it as fit may; where x is not its input, its train_step knows better
+        try:
+            return model(x, training=False)
+        except Exception as exc:  # noqa: BLE001 - fit on TensorFlow defers the build: no refusal
+            print(f"[worker] the model is not built before its first step ({type(exc).__name__}"
+                  f": {str(exc).splitlines()[0] if str(exc) else ''}); its train_step builds "
+                  f"it; a checkpoint restores only into a model its factory builds", flush=True)
+            return None
+        finally:
+            _put_back(kept)
     try:
         y_pred = model(x, training=False)
-        if "training" in inspect.signature(model.compute_loss).parameters:
-            model.compute_loss(x, y, y_pred, training=False)
+        loss = getattr(model, "_compute_loss", None)
+        if loss is not None:
+            loss(x, y, y_pred, sample_weight, training=False)
+        elif "training" in inspect.signature(model.compute_loss).parameters:
+            model.compute_loss(x, y, y_pred, sample_weight, training=False)
         else:  # a model of the job's that overrides compute_loss the Keras 3.0 way
-            model.compute_loss(x, y, y_pred)
+            model.compute_loss(x, y, y_pred, sample_weight)
     except backends.current().input_errors() as exc:
         # Keras wraps a layer's error in "Exception encountered when calling ..." and appends
         # "Arguments received by ...", whose tensor reprs say "shape": read the error itself.
         core = _ANSI.sub("", str(exc)).split("Arguments received by")[0]
         text = [ln.strip() for ln in core.splitlines()
                 if ln.strip() and not ln.startswith("Exception encountered when calling")]
+        if "No loss to compute" in core:
+            raise JobError(
+                f"{_where(spec, 'compile.loss')}: the model from {spec.model.target} has no "
+                f"loss: Keras's train_step needs compile: {{loss: ...}}, a loss the model adds "
+                f"(add_loss), or a compute_loss or train_step of the model's own", "compile.loss"
+            ) from exc
         if not _MISMATCH.search("\n".join(text)):
             raise
         inputs = ", ".join(str(tuple(i.shape)) for i in getattr(model, "inputs", None) or [])
@@ -272,12 +349,24 @@ def first_step(spec: JobSpec, model, x, y):
             f"{spec.model.target} (inputs {inputs or 'not declared'}) on a batch from "
             f"{spec.data.target} (x {_shapes(x)}; y {_shapes(y)}) fails in the first step: "
             f"{type(exc).__name__}: {text[0] if text else ''}", "model, data") from exc
+    finally:
+        _put_back(kept)
     return y_pred
+
+
+def _put_back(kept) -> None:
+    import numpy as np
+
+    for v, value in kept:
+        if not np.array_equal(v.numpy(), value):  # drawn from: put back
+            v.assign(value)
 
 
 def build_model(spec: JobSpec, strategy, data):
     """Build and compile the job's model in ``strategy``'s scope, with every variable a
-    checkpoint holds created now (model, metrics, optimizer), so that it can be restored."""
+    checkpoint holds created now (model, metrics, ``model.optimizer``). Optimizers a custom
+    ``train_step`` holds are built at its first step, as under ``fit``; a restore builds them
+    from the checkpoint's record (state.restore)."""
     import keras
 
     from orchestrator.train import datasets
@@ -289,15 +378,20 @@ def build_model(spec: JobSpec, strategy, data):
             raise JobError(f"{_where(spec, 'model')}: the factory returned "
                            f"{type(model).__name__}, expected a keras.Model", "model")
         compile_model(model, spec, checked=True)
-        x, y = datasets.sample_batch(data, 2)
-        y_pred = first_step(spec, model, x, y)  # builds the model
-        try:  # and the metrics, whose running state a mid-epoch checkpoint holds
-            model.compute_metrics(x, y, y_pred)
-            model.reset_metrics()
-        except Exception as exc:  # noqa: BLE001 - built at the first step instead
-            print(f"[worker] metrics not built before training ({exc}); a mid-epoch resume "
-                  f"then restarts the epoch's metrics", flush=True)
-        model.optimizer.build(model.trainable_variables)
+        batch = datasets.sample_batch(data, 2)
+        y_pred = first_step(spec, model, batch)  # builds the model
+        if (y_pred is not None and not custom_step(model)
+                and getattr(model, "_compile_metrics", None) is not None):
+            x, y, sample_weight = datasets.unpack(batch)
+            try:  # and the metrics, whose running state a mid-epoch checkpoint holds
+                model.compute_metrics(x, y, y_pred, sample_weight)
+            except Exception as exc:  # noqa: BLE001 - built at the first step instead
+                print(f"[worker] metrics not built before training ({exc}); a mid-epoch "
+                      f"resume then restarts the epoch's metrics", flush=True)
+        model.reset_metrics()
+        if model.optimizer is not None and not model.optimizer.built:
+            # what fit does before its first step (Trainer._symbolic_build)
+            model.optimizer.build(model.trainable_variables)
     return model
 
 
@@ -333,6 +427,10 @@ def schedule(spec: JobSpec, optimizer):
 
     if spec.learning_rate is None:
         return None
+    if optimizer is None:
+        raise JobError(f"{_where(spec, 'learning_rate')}: the model has no model.optimizer "
+                       f"(compiled with optimizer=None) for the schedule to set; schedule the "
+                       f"job's own optimizers in its code, or drop the key", "learning_rate")
     base = get_learning_rate(optimizer)  # as compiled, before any checkpoint is restored
     try:
         optimizer.learning_rate = base

@@ -95,12 +95,22 @@ def trace(prep) -> None:
     model); then every effect of that step is put back: model and optimizer variables
     (weights, seed generators, iterations, slots), metric state, Python's and NumPy's RNGs.
     Checked by fingerprint: a standby that cannot put its state back fails its warm-up and the
-    recovery goes cold, rather than train from a state a cold start would not have."""
+    recovery goes cold, rather than train from a state a cold start would not have. A model
+    whose optimizers its own ``train_step`` builds at the first step is not traced (the build
+    cannot be undone): the standby waits with the model built, and the step traces once
+    promoted."""
     import numpy as np
 
-    from orchestrator.train import state
+    from orchestrator.train import holders, state
 
     model = prep.model
+    late = [g.where for g in holders.discover(model).groups
+            if g.kind == holders.OPTIMIZER and not g.holder.built]
+    if late:  # built by the traced step, and a built optimizer cannot be un-built
+        print(f"[standby] not tracing a step: {', '.join(late)} would be built by it (a "
+              f"train_step of the model's own); the promoted worker traces its first step",
+              flush=True)
+        return
     before = state.capture(model)
     print_before = state.state_fingerprint(model)
     rngs = random.getstate(), np.random.get_state()

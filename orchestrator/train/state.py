@@ -1,8 +1,12 @@
 """Training state as plain arrays: capture, restore and fingerprint a Keras model (worker side).
 
-The state is every model variable (weights, BatchNorm statistics and the Dropout seed-generator
-states, which ``model.variables`` includes and ``tf.train.Checkpoint`` leaves out) plus every
-optimizer variable (iterations, learning rate, slots), saved in order to one ``.npz`` file. Why
+The state is every variable of every holder ``holders.discover`` finds: the model's variables
+(weights, BatchNorm statistics and the Dropout seed-generator states, which ``model.variables``
+includes and ``tf.train.Checkpoint`` leaves out), ``model.optimizer``'s (iterations, learning
+rate, slots), every other optimizer the model holds (a GAN's two), seed generators and metrics
+Keras's tracking misses, saved in order to one ``.npz`` file under keys ``<group>.<index>``. The
+manifest names each group (``holders``: where, class, count, what an optimizer was built over),
+so that a changed model is refused naming the group that is missing or extra. Why
 not ``tf.train.Checkpoint``: reading values to host arrays makes a checkpoint independent of the
 strategy that wrote it (8 TPU replicas restore on 1 CPU and back), it is one file (Drive is slow
 with many), and it can be verified and fingerprinted without TensorFlow. ``np.load`` runs with
@@ -20,7 +24,7 @@ import threading
 import numpy as np
 
 from orchestrator.checkpoint.store import STATE_FILE, weights_fingerprint
-from orchestrator.train import backends
+from orchestrator.train import backends, holders
 
 
 class StateMismatch(Exception):
@@ -37,14 +41,36 @@ def sync(model) -> None:
         jax_state_sync()
 
 
-def _groups(model):
+def group_of(key: str) -> str | None:
+    """The holder group of a checkpoint key (``optimizer@d_optimizer.0003`` ->
+    ``optimizer@d_optimizer``); None for the other arrays a checkpoint holds (``metrics.*``,
+    ``callbacks.*``)."""
+    group = key.rsplit(".", 1)[0]
+    return group if group in (holders.MODEL, holders.OPTIMIZER) or "@" in group else None
+
+
+def _groups(model, found: holders.Found | None = None) -> dict[str, list]:
     sync(model)
-    return {"model": list(model.variables), "optimizer": list(model.optimizer.variables)}
+    found = found or holders.discover(model)
+    return {g.name: g.variables for g in found.groups}
 
 
-def describe(model) -> list[dict]:
+def layout(model, found: holders.Found | None = None) -> dict[str, dict]:
+    """Each group of the checkpoint, for its manifest (``holders``): where its holder is, its
+    class, how many variables, and for an optimizer the model variables it was built over
+    (which a restore needs to build it before the job's first step does)."""
+    found = found or holders.discover(model)
+    model_vars = next(g.variables for g in found.groups if g.kind == holders.MODEL)
+    return {g.name: {"where": g.where, "class": g.cls, "kind": g.kind,
+                     "variables": len(g.variables),
+                     **({"built_over": holders.built_over(g, model_vars)}
+                        if g.kind == holders.OPTIMIZER else {})}
+            for g in found.groups}
+
+
+def describe(model, found: holders.Found | None = None) -> list[dict]:
     out = []
-    for group, variables in _groups(model).items():
+    for group, variables in _groups(model, found).items():
         for i, v in enumerate(variables):
             out.append({"key": f"{group}.{i:04d}", "path": v.path, "shape": list(v.shape),
                         "dtype": str(v.dtype)})
@@ -86,20 +112,83 @@ def load_arrays(directory: str) -> dict[str, np.ndarray]:
         return {k: z[k] for k in z.files}
 
 
-def restore(model, arrays: dict[str, np.ndarray]) -> int:
-    """Assign saved values to the model's and optimizer's variables; return how many."""
-    plan = []
-    for group, variables in _groups(model).items():
-        saved = sorted(k for k in arrays if k.startswith(group + "."))
-        if len(saved) != len(variables):
+def _saved_groups(arrays: dict[str, np.ndarray]) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for k in sorted(arrays):
+        g = group_of(k)
+        if g is not None:
+            out.setdefault(g, []).append(k)
+    return out
+
+
+def _named(name: str, info: dict | None) -> str:
+    if not info:
+        return name
+    return f"{name} ({info.get('class')} at {info.get('where')}, {info.get('variables')} variables)"
+
+
+def restore(model, arrays: dict[str, np.ndarray], saved_layout: dict | None = None) -> int:
+    """Assign saved values to every holder's variables (holders.py); return how many.
+
+    The checkpoint's groups and the model's must be the same set: a group missing on either
+    side is a changed model, refused by name (``StateMismatch``) before anything is assigned.
+    An optimizer the job builds only at its first step (an attribute optimizer of a custom
+    ``train_step``) is built here first, over the variables ``saved_layout`` (the manifest's
+    ``holders``) says it was built over. Keras's global seed generator is created when the
+    checkpoint holds it (unseeded ``keras.random`` calls drew from it before the kill)."""
+    saved = _saved_groups(arrays)
+    found = holders.discover(model)
+    if holders.GLOBAL_SEED in saved and not any(g.name == holders.GLOBAL_SEED
+                                                for g in found.groups):
+        holders.global_seed_generator()
+        found = holders.discover(model)
+    groups = {g.name: g for g in found.groups
+              if g.name != holders.GLOBAL_SEED or holders.GLOBAL_SEED in saved}
+    saved_layout = saved_layout or {}
+    missing = [n for n in saved if n not in groups]
+    extra = [n for n in groups if n not in saved]
+    if missing or extra:
+        parts = []
+        if missing:
+            parts.append("the checkpoint holds " + "; ".join(
+                _named(n, saved_layout.get(n)) for n in missing) + ", which the job's model "
+                "does not have")
+        if extra:
+            parts.append("the job's model has " + "; ".join(
+                f"{n} ({groups[n].cls} at {groups[n].where})" for n in extra) + ", which the "
+                "checkpoint does not hold")
+        raise StateMismatch(f"{', and '.join(parts)}: the model changed since the checkpoint "
+                            f"was written")
+    sync(model)
+    model_vars = groups[holders.MODEL].variables
+    for name, g in groups.items():
+        if g.kind != holders.OPTIMIZER or g.holder.built or len(saved[name]) == len(g.variables):
+            continue
+        over = (saved_layout.get(name) or {}).get("built_over")
+        if not over or min(over) < 0 or max(over) >= len(model_vars):
             raise StateMismatch(
-                f"the checkpoint holds {len(saved)} {group} variables, the job's {group} has "
-                f"{len(variables)}: the model or optimizer changed since it was written")
-        for key, v in zip(saved, variables):
+                f"optimizer {g.where} ({g.cls}) is not built yet and the checkpoint does not "
+                f"say over which of the model's variables it was built (manifest 'holders'."
+                f"{name}.built_over: {over}): it cannot be restored")
+        g.holder.build([model_vars[i] for i in over])
+    plan = []
+    for name, g in groups.items():
+        variables, keys = g.variables, saved[name]
+        if len(keys) != len(variables):
+            hint = ""
+            if g.kind == holders.MODEL and len(variables) < len(keys):
+                hint = (" (or the model creates variables only in its first train_step: build "
+                        "it in its factory, by calling it on a batch or giving its layers "
+                        "their input shapes)")
+            raise StateMismatch(
+                f"the checkpoint holds {len(keys)} variables of "
+                f"{_named(name, saved_layout.get(name))}, the job's {g.cls} at {g.where} has "
+                f"{len(variables)}: the model or optimizer changed since it was written{hint}")
+        for key, v in zip(keys, variables):
             a = arrays[key]
             if tuple(a.shape) != tuple(v.shape):
-                raise StateMismatch(f"{group} variable {v.path}: checkpoint shape {a.shape}, "
-                                    f"model shape {tuple(v.shape)}")
+                raise StateMismatch(f"{name} variable {v.path} ({g.where}): checkpoint shape "
+                                    f"{a.shape}, model shape {tuple(v.shape)}")
             plan.append((v, a))
     for v, a in plan:
         v.assign(a)
@@ -123,13 +212,32 @@ class Snapshot:
         self.model, self.compiled = model, compiled
         self._lock = threading.Lock()  # warm() may run in the writer's thread
         self._ids: tuple = ()
+        self._found: holders.Found | None = None
+        self._found_for: tuple = ()
         self.keys: list[str] = []
         self.weight_keys: list[str] = []
         self.description: list[dict] = []
+        self.holders: dict[str, dict] = {}   # state.layout: the manifest's ``holders``
+        self.outside: list[str] = []          # what holders.discover saw no checkpoint holds
         self._read = None
 
+    def _discover(self) -> holders.Found:
+        """The walk (holders.discover) again only when the model's variables or the global
+        seed generator changed: a checkpoint's stall stays a read of the variables."""
+        from keras.src.backend.common import global_state
+        from keras.src.random import seed_generator
+
+        key = (tuple(id(v) for v in self.model.variables),
+               id(global_state.get_global_attribute(seed_generator.GLOBAL_SEED_GENERATOR)))
+        if self._found is None or key != self._found_for:
+            self._found, self._found_for = holders.discover(self.model), key
+            self.outside = list(self._found.outside)
+        return self._found
+
     def _layout(self):
-        groups = _groups(self.model)
+        sync(self.model)
+        found = self._discover()
+        groups = _groups(self.model, found)
         variables = [v for vs in groups.values() for v in vs]
         ids = tuple(id(v) for v in variables)
         if ids == self._ids:
@@ -138,7 +246,8 @@ class Snapshot:
         self.keys = [f"{g}.{i:04d}" for g, vs in groups.items() for i in range(len(vs))]
         by_id = dict(zip(ids, self.keys))
         self.weight_keys = [by_id[id(w)] for w in self.model.weights]
-        self.description = describe(self.model)
+        self.description = describe(self.model, found)
+        self.holders = layout(self.model, found)
         self._read = backends.current().reader(variables) if self.compiled else None
         return variables
 

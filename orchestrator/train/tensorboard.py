@@ -229,13 +229,15 @@ class TensorBoardCallback(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         if self.every_steps and self.progress.step % self.every_steps == 0:
-            self._write("train", "batch_", {**(logs or {}), "learning_rate":
-                                            get_learning_rate(self.model.optimizer)})
+            lr = get_learning_rate(self.model.optimizer)  # None: no model.optimizer
+            self._write("train", "batch_", {**(logs or {}), **(
+                {"learning_rate": lr} if lr is not None else {})})
 
     def on_epoch_end(self, epoch, logs=None):
         logs = logs or {}
         train = {k: v for k, v in logs.items() if not k.startswith("val_")}
-        train["learning_rate"] = self._lr  # not ReduceLROnPlateau's end-of-epoch rate
+        if self._lr is not None:
+            train["learning_rate"] = self._lr  # not ReduceLROnPlateau's end-of-epoch rate
         self._write("train", "epoch_", train)
         self._write("validation", "epoch_", {k[4:]: v for k, v in logs.items()
                                              if k.startswith("val_")})

@@ -194,13 +194,14 @@ def run(prep: Prepared, rd: RunDir, attempt: int, progress, t_start: float, mark
         arrays = state.load_arrays(latest.path)
         try:
             with strategy.scope():
-                state.restore(model, arrays)
+                state.restore(model, arrays, latest.manifest.get("holders"))
         except state.StateMismatch as exc:
             raise JobError(f"cannot resume from {latest.path}: {exc}") from exc
         restored = state.state_fingerprint(model)
         if latest.manifest.get("state_sha256") not in (None, restored):
             at.not_exact.append(f"the restored state (sha256 {restored[:12]}) differs from the "
                                 f"checkpoint's ({latest.manifest['state_sha256'][:12]})")
+        at.not_exact.extend(latest.manifest.get("outside_state") or [])
         unknown = states.unknown()
         if unknown:
             at.not_exact.append(f"callback(s) {', '.join(unknown)} have no get_state/set_state: "

@@ -64,11 +64,22 @@ class _Replicated:
 
 def array_batches(x, y, seed: int, begin: int, end: int, global_batch: int,
                   drop_remainder: bool, skip_batches: int = 0, rows: slice | None = None):
-    """Batches of epochs ``begin .. end-1`` of in-memory ``(x, y)``, each epoch in the order of
-    a permutation drawn from ``(seed, epoch)`` alone, less the first ``skip_batches`` of
-    ``begin``. A generator: ``fit`` draws exactly ``steps_per_epoch`` batches per epoch.
+    """``part_batches`` of an ``(x, y)`` pair."""
+    return part_batches((x, y), seed, begin, end, global_batch, drop_remainder,
+                        skip_batches, rows)
+
+
+def part_batches(part, seed: int, begin: int, end: int, global_batch: int,
+                 drop_remainder: bool, skip_batches: int = 0, rows: slice | None = None):
+    """Batches of epochs ``begin .. end-1`` of in-memory data (``datasets.JobData``'s part: x,
+    (x, y), (x, y, sample_weight), dicts or tuples of arrays), each epoch in the order of a
+    permutation drawn from ``(seed, epoch)`` alone, less the first ``skip_batches`` of
+    ``begin``. A generator: ``fit`` draws exactly ``steps_per_epoch`` batches per epoch; each
+    batch is a tuple (x alone: ``(x,)``), as Keras requires of a generator's.
     ``rows``: only these rows of every global batch (a rank of a group feeds its own part)."""
-    n = len(y)
+    from orchestrator.train import datasets
+
+    n = datasets.rows(part)
     last = n - global_batch + 1 if drop_remainder else n
     for epoch in range(begin, end):
         order = np.random.default_rng([seed, epoch]).permutation(n)
@@ -78,7 +89,10 @@ def array_batches(x, y, seed: int, begin: int, end: int, global_batch: int,
             idx = order[start:start + global_batch]
             if rows is not None:
                 idx = idx[rows]
-            yield x[idx], y[idx]
+            batch = datasets.map_part(lambda a, idx=idx: a[idx], part)
+            # Keras takes a generator's batch only as a tuple: x alone is (x,), which its
+            # unpack_x_y_sample_weight (Keras's train_step, and a job's own) reads as x
+            yield batch if isinstance(batch, tuple) else (batch,)
 
 
 def rank_rows_of(n: int, global_batch: int, rows: slice) -> np.ndarray:
@@ -266,9 +280,8 @@ class JaxBackend:
             ds = datasets.train_dataset(data, seed, begin, end, global_batch, drop_remainder,
                                         skip_batches=skip_batches)
             return ds if rows is None else _rank_part(ds, rows)
-        x, y = data.train
-        return array_batches(x, y, seed, begin, end, global_batch, drop_remainder,
-                             skip_batches, rows=rows)
+        return part_batches(data.train, seed, begin, end, global_batch, drop_remainder,
+                            skip_batches, rows=rows)
 
     def validation_data(self, data, global_batch: int, drop_remainder: bool):
         from orchestrator.train import datasets
@@ -277,14 +290,14 @@ class JaxBackend:
             ds = datasets.validation_dataset(data, global_batch, drop_remainder)
             return ds if ds is None or self.group is None else \
                 _rank_part(ds, self.group.rows(global_batch))
-        x, y = data.validation
+        val, n = data.validation, datasets.rows(data.validation)
         if self.group is not None:  # this rank's rows of every whole global batch
-            idx = rank_rows_of(len(y), global_batch, self.group.rows(global_batch))
-            return x[idx], y[idx]
+            idx = rank_rows_of(n, global_batch, self.group.rows(global_batch))
+            return datasets.map_part(lambda a: a[idx], val)
         if drop_remainder:
-            keep = len(y) - len(y) % global_batch
-            x, y = x[:keep], y[:keep]
-        return x, y
+            keep = n - n % global_batch
+            val = datasets.map_part(lambda a: a[:keep], val)
+        return val
 
     def fit_options(self, global_batch: int) -> dict:
         """The validation arrays in batches of what this process feeds (a rank of a group: its
@@ -295,9 +308,11 @@ class JaxBackend:
     def validation_sample(self, val, global_batch: int):
         """One validation batch of the real shape (the standby's traced step compiles the
         evaluation for it)."""
-        if val is None or not isinstance(val, tuple):
+        from orchestrator.train import datasets
+
+        if val is None or datasets.is_tf_dataset(val):
             return val.take(1) if val is not None else None
-        return val[0][:global_batch], val[1][:global_batch]
+        return datasets.map_part(lambda a: a[:global_batch], val)
 
     def input_errors(self) -> tuple:
         # jax.numpy's shape errors are TypeErrors ("dot_general requires contracting
