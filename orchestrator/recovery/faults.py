@@ -24,8 +24,9 @@
 
 Each fault fires once per run, not once per attempt: before firing, it is claimed durably in
 ``<run>/faults/`` (O_EXCL) and journaled as ``fault_injected``. ``slow-steps`` is the one
-condition rather than an event: it is journaled once, at its first step, and holds from then on. Parsing never imports TensorFlow;
-only ``raise=`` for a TensorFlow kind imports it, in the worker.
+condition rather than an event: it is journaled once, at its first step, and holds from then
+on. Parsing never imports TensorFlow; only ``raise=`` for a TensorFlow kind imports it, in the
+worker.
 """
 from __future__ import annotations
 

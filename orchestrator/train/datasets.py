@@ -146,6 +146,13 @@ def train_dataset(data: JobData, seed: int, start_epoch: int, end_epoch: int, gl
         def epoch(e):
             return base.shuffle(min(data.num_examples, 10_000), seed=seed * 1_000_003 + e,
                                 reshuffle_each_iteration=False).batch(global_batch, drop_remainder)
+
+        # The epochs one after another with a Python int for each shuffle's seed: a seed tensor
+        # (flat_map over a range) fails TensorFlow's own seed check when the global seed is 0
+        # (`seed: 0`: "Using a symbolic tf.Tensor as a Python bool", random_seed.get_seed
+        # compares the pair with (0, 0)); with an int the order is the same as it was.
+        ds = functools.reduce(lambda a, b: a.concatenate(b),
+                              [epoch(e) for e in range(start_epoch, end_epoch)])
     else:
         arrays = map_part(tf.constant, data.train)
         n = data.num_examples
@@ -156,14 +163,6 @@ def train_dataset(data: JobData, seed: int, start_epoch: int, end_epoch: int, gl
             idx = tf.data.Dataset.from_tensor_slices(perm).batch(global_batch, drop_remainder)
             return idx.map(lambda i: map_part(lambda t: tf.gather(t, i), arrays))
 
-    if isinstance(data.train, tf.data.Dataset):
-        # The epochs one after another with a Python int for each shuffle's seed: a seed tensor
-        # (flat_map over a range) fails TensorFlow's own seed check when the global seed is 0
-        # (`seed: 0`: "Using a symbolic tf.Tensor as a Python bool", random_seed.get_seed
-        # compares the pair with (0, 0)); with an int the order is the same as it was.
-        ds = functools.reduce(lambda a, b: a.concatenate(b),
-                              [epoch(e) for e in range(start_epoch, end_epoch)])
-    else:
         ds = tf.data.Dataset.range(start_epoch, end_epoch).flat_map(epoch)
     if skip_batches:
         ds = ds.skip(skip_batches)
