@@ -272,3 +272,24 @@ def test_a_jax_worker_writes_and_repairs_the_logs_without_tensorflow(tmp_path, t
     assert p.returncode == 0, p.stdout + p.stderr
     assert "dropped 2\n" in p.stdout and "tensorflow imported: False\n" in p.stdout, p.stdout
     _assert_each_step_once(log_dir)
+
+
+def test_a_job_asking_for_tensorboard_without_it_fails_before_the_framework_is_imported(
+        monkeypatch):
+    """The worker's configure and the doctor's job check name the key before the seconds of a
+    TensorFlow or JAX import."""
+    from types import SimpleNamespace
+
+    from orchestrator.train import jobcheck, jobcode, worker
+    from orchestrator.train.jobcode import JobError
+
+    def imported(*a, **kw):
+        raise AssertionError("the framework was imported first")
+
+    monkeypatch.setitem(sys.modules, "tensorboard", None)  # not installed
+    monkeypatch.setattr(jobcode, "import_framework", imported)
+    spec = SimpleNamespace(tensorboard=SimpleNamespace(dir="tb"), backend="tensorflow",
+                           standby="off")
+    for check in (lambda: worker.configure(spec, 0.0), lambda: jobcheck.check(spec)):
+        with pytest.raises(JobError, match="key 'tensorboard'"):
+            check()
