@@ -399,6 +399,7 @@ def main(argv=None) -> int:
                                    for k, p in jobs[core_backends.JAX].items()}}
     stem = ("quick" if args.quick else "results") + ("-" + "-".join(args.only) if args.only
                                                      else "")
+    os.makedirs(args.out, exist_ok=True)  # --out may name a folder not made yet
     json_path = os.path.join(args.out, f"{stem}.json")
 
     def save():
