@@ -174,9 +174,11 @@ def prepare_jobs(cfg: Config, work: str) -> dict[str, str]:
         jobs[f"goodput_{mode}"] = arms.prepare_job(
             jobs["synthetic"], os.path.join(work, "jobs", f"goodput_{mode}"),
             {"name": f"goodput_{mode}", "epochs": cfg.goodput_epochs, "standby": mode})
-        # recovery: only these jobs have a short hang_timeout (a slow first step elsewhere
-        # must not pass for a hang); a checkpoint every half epoch, not every 20 steps, over
-        # 8000 steps (fewer journal lines for the bench to reread while it watches)
+    # recovery: only these jobs have a short hang_timeout (a slow first step elsewhere must not
+    # pass for a hang); a checkpoint every half epoch, not every 20 steps, over 8000 steps
+    # (fewer journal lines for the bench to reread while it watches). One per standby setting
+    # the recovery runs ask for (cfg.fault_modes: "on", not the loop's auto/off above)
+    for mode in cfg.fault_modes:
         jobs[f"faults_{mode}"] = arms.prepare_job(
             digits_src, os.path.join(work, "jobs", f"faults_{mode}"),
             {"name": f"faults_{mode}", "restarts": RESTARTS, "epochs": cfg.fault_epochs,
