@@ -102,8 +102,8 @@ def prepare(spec: JobSpec, t_start: float, marks: dict) -> Prepared:
     is_tpu = placement.is_tpu
 
     data = jobcode.load_data(spec)
-    spe = datasets.steps_per_epoch(data.num_examples, global_batch,
-                                   drop_remainder=placement.drop_remainder)
+    global_batch, spe = datasets.batching(data, global_batch, placement.drop_remainder,
+                                          replicas, group is not None)
 
     model = jobcode.build_model(spec, strategy, data)
     with strategy.scope():
