@@ -213,6 +213,7 @@ def _global_rng_generator(epoch):
 @pytest.mark.parametrize("result, expected", [
     (lambda: {"train": _gen_fn()(0), "steps_per_epoch": 4}, "generator object, which cannot be "
      "made again for the epoch"),
+    (lambda: _gen_fn()(0), "generator object, which cannot be made again for the epoch"),
     (lambda: {"train": lambda: iter(()), "steps_per_epoch": 4}, "must take the epoch"),
     (lambda: {"train": _gen_fn()}, "needs 'steps_per_epoch'"),
     (lambda: {"train": _gen_fn(), "steps_per_epoch": 0}, "positive integer"),

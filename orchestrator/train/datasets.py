@@ -128,7 +128,8 @@ def normalise(result, where: str) -> JobData:
         train, val = result, None
     elif isinstance(result, (tuple, list)) and len(result) == 2:
         train, val = result
-    elif is_tf_dataset(result) or epochdata.is_pydataset(result):
+    elif (is_tf_dataset(result) or epochdata.is_pydataset(result)
+          or epochdata.is_generator_like(result)):  # the last refused by make, saying why
         train, val = result, None
     else:
         raise DataError(f"{where}: expected x or (x, y) arrays, (train, validation), a dict with "

@@ -274,7 +274,6 @@ class JaxBackend:
     def train_data(self, data, seed: int, begin: int, end: int, global_batch: int,
                    drop_remainder: bool, skip_batches: int = 0):
         from orchestrator.train import datasets
-
         from orchestrator.train.epochdata import EpochData
 
         if isinstance(data.train, EpochData):  # the job's own batches (one process: fixed())
@@ -289,7 +288,6 @@ class JaxBackend:
 
     def validation_data(self, data, global_batch: int, drop_remainder: bool):
         from orchestrator.train import datasets
-
         from orchestrator.train.epochdata import is_pydataset
 
         if data.validation is None or is_pydataset(data.validation):
@@ -317,7 +315,6 @@ class JaxBackend:
         """One validation batch of the real shape (the standby's traced step compiles the
         evaluation for it)."""
         from orchestrator.train import datasets
-
         from orchestrator.train.epochdata import is_pydataset
 
         if val is None or is_pydataset(val):
