@@ -63,8 +63,11 @@ class Plan:
 
 
 class ColabLoop:
-    def __init__(self, plan: Plan, cli: ColabCLI, clock: Clock = SYSTEM, out=None):
-        self.plan, self.cli, self.clock = plan, cli, clock
+    def __init__(self, plan: Plan, cli: ColabCLI, clock: Clock = SYSTEM, out=None,
+                 bundles: tuple[str, str] | None = None):
+        """``bundles``: the source's and the job's tar files to send (made from this package
+        and the job's folder when None)."""
+        self.plan, self.cli, self.clock, self.bundles = plan, cli, clock, bundles
         self.out = out if out is not None else sys.stdout
         os.makedirs(plan.local_dir, exist_ok=True)
         self.journal = Journal(os.path.join(plan.local_dir, hosts.FILE))
@@ -80,9 +83,11 @@ class ColabLoop:
         p = self.plan
         self.policy.started = self.clock.monotonic()
         n = len(hosts.hosts(self.journal.events()))  # an earlier driver's runtimes
-        self.bundles = (bundle.source_bundle(os.path.join(p.local_dir, "orchestrator-src.tar.gz")),
-                        bundle.job_bundle(os.path.dirname(os.path.abspath(p.job)),
-                                          os.path.join(p.local_dir, "orchestrator-job.tar.gz")))
+        if self.bundles is None:
+            self.bundles = (
+                bundle.source_bundle(os.path.join(p.local_dir, "orchestrator-src.tar.gz")),
+                bundle.job_bundle(os.path.dirname(os.path.abspath(p.job)),
+                                  os.path.join(p.local_dir, "orchestrator-job.tar.gz")))
         try:
             while True:
                 spent = self.policy.may_request(self.clock.monotonic())
