@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from helpers import ROOT, wait_until
+from helpers import ROOT, wait_while_running
 from test_e2e import DIGITS_JOB, _completed, digits_reference, write_job_files  # noqa: F401
 from orchestrator.core import hosts
 from orchestrator.core.events import Event
@@ -77,8 +77,9 @@ def test_a_run_survives_two_recycled_runtimes_and_a_refusal_with_the_uninterrupt
     try:
         # 1. while the first runtime starts up: its supervisor has started, no step is done
         first = "orc-digits-e2e-1"
-        wait_until(lambda: (home / "runtimes" / first / "orchestrator-colab" / "run.log")
-                   .exists(), 180, "the first runtime's supervisor started")
+        wait_while_running(driver, lambda: (home / "runtimes" / first / "orchestrator-colab" /
+                                            "run.log").exists(),
+                           "the first runtime's supervisor started", cap=180)
         time.sleep(rng.uniform(0.0, 1.5))
         assert not [e for e in _drive_events(home) if e["event"] == Event.FIRST_STEP]
         _control(home, refuse=["capacity"])  # the next `colab new` is refused
@@ -88,9 +89,10 @@ def test_a_run_survives_two_recycled_runtimes_and_a_refusal_with_the_uninterrupt
         # 2. the second runtime, mid-training at a random step
         second = "orc-digits-e2e-2"
         target = rng.randint(15, 150)
-        wait_until(lambda: any(e["event"] == Event.CHECKPOINT_COMMITTED and e["step"] >= target
-                               and e["ts"] > recycled[0][1] for e in _drive_events(home)),
-                   300, f"a checkpoint at step {target} or later on the second runtime")
+        wait_while_running(driver, lambda: any(
+            e["event"] == Event.CHECKPOINT_COMMITTED and e["step"] >= target
+            and e["ts"] > recycled[0][1] for e in _drive_events(home)),
+            f"a checkpoint at step {target} or later on the second runtime", cap=300)
         assert _sim(home, "_recycle", second).returncode == 0
         recycled.append((second, time.time()))
 
