@@ -132,7 +132,8 @@ def _plain(value, key: str, functions: list, may_carry: bool = False):
 
 def run_on_colab(job: str, tpu: str | None = None, gpu: str | None = None,
                  run_dir: str | None = None, local_dir: str | None = None,
-                 colab_cli: str | None = None, max_sessions: int | None = 10,
+                 colab_cli: str | None = None, colab_auth: str | None = None,
+                 max_sessions: int | None = 10,
                  max_hours: float | None = None, max_runtime_hours: float | None = None,
                  poll_s: float = 30.0, lock_retry_s: float = 30.0, backoff_s: float = 60.0,
                  unreachable_s: float = 300.0, remote_env: dict | None = None, out=None) -> int:
@@ -145,7 +146,8 @@ def run_on_colab(job: str, tpu: str | None = None, gpu: str | None = None,
     The job file is checked here first, so that a mistake costs no runtime. ``run_dir`` is
     where the run lives on Drive as a runtime sees it (default
     ``/content/drive/MyDrive/orchestrator-runs/NAME``); ``local_dir`` where the outer journal
-    and the export go on this machine (default ``colab-runs/NAME``)."""
+    and the export go on this machine (default ``colab-runs/NAME``); ``colab_auth`` the CLI's
+    ``--auth`` (oauth2 or adc)."""
     from orchestrator.colab.colabcli import ColabCLI, executable
     from orchestrator.colab.kinds import runtime_kind
     from orchestrator.colab.loop import ColabLoop, Plan
@@ -164,4 +166,4 @@ def run_on_colab(job: str, tpu: str | None = None, gpu: str | None = None,
                 backoff=Backoff(initial_s=backoff_s, max_s=max(backoff_s, 1800.0)),
                 poll_s=poll_s, lock_retry_s=lock_retry_s, unreachable_s=unreachable_s,
                 remote_env=dict(remote_env or {}))
-    return ColabLoop(plan, ColabCLI(executable(colab_cli)), out=out).run()
+    return ColabLoop(plan, ColabCLI(executable(colab_cli), auth=colab_auth), out=out).run()

@@ -37,6 +37,7 @@ def _cmd_colab(args) -> int:
     try:
         return run_on_colab(args.job, tpu=args.tpu, gpu=args.gpu, run_dir=args.run_dir,
                             local_dir=args.local_dir, colab_cli=args.colab_cli,
+                            colab_auth=args.colab_auth,
                             max_sessions=args.max_sessions or None, max_hours=args.max_hours,
                             max_runtime_hours=args.max_runtime_hours, poll_s=args.poll,
                             lock_retry_s=args.lock_retry, backoff_s=args.backoff,
@@ -203,6 +204,9 @@ def _colab_parser(sub) -> None:
                    "(default colab-runs/NAME)")
     c.add_argument("--colab-cli", metavar="PATH", help="the Colab CLI's executable (default "
                    "$ORCHESTRATOR_COLAB_CLI, else `colab` on the PATH)")
+    c.add_argument("--colab-auth", choices=("oauth2", "adc"),
+                   help="the Colab CLI's --auth, given to each of its calls (default: the "
+                        "CLI's own, oauth2)")
     c.add_argument("--max-sessions", type=int, default=10, metavar="N",
                    help="runtimes to use at most (0: no limit; default 10)")
     c.add_argument("--max-hours", type=float, metavar="H",

@@ -372,3 +372,28 @@ def test_the_outer_journal_is_copied_into_the_run_directory_each_time_a_run_star
     assert f"/content/drive/MyDrive/runs/digits/{hosts.FILE}" in written[-1]
     assert Event.OUTER_ENDED in written[-1]
     assert os.path.isfile(loop.journal.path) and Journal(loop.journal.path).events()
+
+
+def test_the_cli_is_called_with_an_argument_list_its_auth_and_no_terminal_to_wait_on():
+    seen = {}
+
+    def runner(argv, **kw):
+        seen.update(argv=argv, **kw)
+        import subprocess
+        return subprocess.CompletedProcess(argv, 0, "[colab] Session READY.\n", "")
+
+    from orchestrator.colab.colabcli import ColabCLI
+    reply = ColabCLI("/opt/colab", env={}, runner=runner, auth="adc").new("s1", ["--gpu", "T4"])
+    assert seen["argv"] == ["/opt/colab", "--auth=adc", "new", "-s", "s1", "--gpu", "T4"]
+    assert seen["start_new_session"] and seen["input"] == ""  # no tty, stdin closed
+    assert seen["env"]["_TYPER_STANDARD_TRACEBACK"] == "1"
+    assert isinstance(replies.new_outcome(reply), replies.Allocated)
+
+
+def test_an_executable_that_is_not_there_is_named_with_how_to_install_it(tmp_path):
+    from orchestrator.colab.colabcli import ENV_CLI, executable
+
+    with pytest.raises(FileNotFoundError, match=f"from {ENV_CLI}.*pip install google-colab-cli"):
+        executable(env={ENV_CLI: str(tmp_path / "nope")})
+    with pytest.raises(FileNotFoundError, match="from --colab-cli"):
+        executable(str(tmp_path / "nope"), env={})

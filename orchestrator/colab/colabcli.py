@@ -58,13 +58,17 @@ class ColabCLI:
     """The verbs we use, each one call of the executable. ``runner`` is ``subprocess.run``
     (a test gives its own: no process then)."""
 
-    def __init__(self, path: str, env: dict | None = None, runner: Runner = subprocess.run):
+    def __init__(self, path: str, env: dict | None = None, runner: Runner = subprocess.run,
+                 auth: str | None = None):
+        """``auth``: the CLI's global ``--auth`` (oauth2, its default, or adc), given to every
+        call as the CLI wants it."""
         self.path, self.runner = path, runner
+        self.globals = [f"--auth={auth}"] if auth else []
         # typer's plain tracebacks: the exception's line whole, not wrapped in a box
         self.env = dict(os.environ if env is None else env, _TYPER_STANDARD_TRACEBACK="1")
 
     def call(self, args: list, stdin: str | None = None, timeout: float = 120.0) -> Reply:
-        argv = [self.path, *args]
+        argv = [self.path, *self.globals, *args]
         try:
             done = self.runner(argv, input=stdin if stdin is not None else "", text=True,
                                capture_output=True, timeout=timeout, env=self.env,
