@@ -70,7 +70,7 @@ def test_a_run_survives_two_recycled_runtimes_and_a_refusal_with_the_uninterrupt
                ORCHESTRATOR_COLAB_CLI=SIM, PYTHONPATH=ROOT)
     driver = subprocess.Popen(
         [sys.executable, "-m", "orchestrator", "colab", str(job), "--run-dir", RUN_DIR,
-         "--local-dir", str(local), "--poll", "1", "--lock-retry", "1", "--backoff", "0.5",
+         "--local-dir", str(local), "--poll", "2", "--lock-retry", "1", "--backoff", "0.5",
          "--unreachable", "30"], cwd=str(tmp_path), env=env, stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True)
     recycled = []
@@ -88,7 +88,7 @@ def test_a_run_survives_two_recycled_runtimes_and_a_refusal_with_the_uninterrupt
 
         # 2. the second runtime, mid-training at a random step
         second = "orc-digits-e2e-2"
-        target = rng.randint(15, 150)
+        target = rng.randint(15, 90)  # 3 epochs of margin: the run must not end first
         wait_while_running(driver, lambda: any(
             e["event"] == Event.CHECKPOINT_COMMITTED and e["step"] >= target
             and e["ts"] > recycled[0][1] for e in _drive_events(home)),
