@@ -25,6 +25,7 @@ import os
 import queue
 import shutil
 import signal
+import socket
 import sys
 import threading
 
@@ -391,7 +392,8 @@ class Supervisor:
         self.remedies.recall(events)
         resumed = bool(events)
         self.journal.append(Event.RUN_RESUMED if resumed else Event.RUN_STARTED,
-                            job=self.spec.job_path, epochs=self.spec.epochs, pid=os.getpid())
+                            job=self.spec.job_path, epochs=self.spec.epochs, pid=os.getpid(),
+                            host=socket.gethostname())
         self.ledger.scan()
         self.say(f"{'resuming' if resumed else 'starting'} run '{self.spec.name}' in "
                  f"{self.rd.root} at epoch {self.ledger.latest_epoch()}/{self.spec.epochs}")
