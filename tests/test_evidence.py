@@ -319,3 +319,48 @@ def test_the_installed_keras_says_a_jobs_mistakes_in_words_the_signatures_know()
             line = f"{error['type']}: {error['message']}".splitlines()[0]
             d = classify(1, None, line)
             assert (d.kind, d.signature) == (Kind.USER_ERROR, signature), line
+
+
+def test_the_installed_libraries_say_more_of_a_jobs_mistakes_in_words_the_signatures_know():
+    """The fifth batch's sentences, raised here by the Keras, jax and TensorFlow this suite runs
+    (a rewording in a new version fails this test), named ``user_error`` from the bare last line
+    (AutoGraph's from its first), no job needed."""
+    keras = pytest.importorskip("keras")
+    jax = pytest.importorskip("jax")
+    tf = pytest.importorskip("tensorflow")
+    import numpy as np
+
+    def traced(d):
+        return d["x"]
+
+    mistakes = {
+        "keras_no_gradients": lambda: keras.optimizers.SGD().apply(
+            [None], [keras.Variable(np.zeros(2))]),
+        "keras_input_incompatible": lambda: keras.layers.Dense(2)(
+            [np.zeros((1, 3)), np.zeros((1, 3))]),
+        "jax_tracer_misuse": lambda: jax.jit(lambda n: jax.numpy.zeros((n,)))(3),
+        "tf_dtype_mismatch": lambda: tf.convert_to_tensor(tf.constant(1.0), dtype=tf.int32),
+        "tf_autograph_user_code": lambda: tf.function(traced)({"y": tf.constant(1)}),
+    }
+    for signature, call in mistakes.items():
+        error = _raised_in_worker(call)
+        line = f"{error['type']}: {error['message']}".splitlines()[0]
+        d = classify(1, None, line)
+        assert (d.kind, d.signature) == (Kind.USER_ERROR, signature), line
+
+
+def test_a_tensorflow_that_cannot_load_its_runtime_or_xla_without_libdevice_is_the_install():
+    """Written from the catalogue texts, the words of tensorflow/python/pywrap_tensorflow.py and
+    XLA's gpu_backend_lib.cc in another wrapper: the install, not the job (accelerator_context)."""
+    for text, signature in (
+            ("ImportError: libcudnn.so.7: cannot open shared object file\n\nFailed to load the "
+             "native TensorFlow runtime.\nSee https://www.tensorflow.org/install/errors",
+             "tf_native_runtime_failed"),
+            ("jaxlib.xla_extension.XlaRuntimeError: INTERNAL: libdevice not found at "
+             "./libdevice.10.bc", "xla_libdevice_missing")):
+        d = classify(1, None, text)
+        assert (d.kind, d.signature) == (Kind.ACCELERATOR_CONTEXT, signature), text
+    # jax's fallback warning is still no failure
+    warning = ("WARNING:jax._src.xla_bridge:CUDA backend failed to initialize: Found cuDNN "
+               "version 8600, but JAX was built against version 8906, which is newer.")
+    assert classify(1, None, warning).kind == Kind.UNKNOWN
