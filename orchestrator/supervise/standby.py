@@ -37,7 +37,7 @@ from orchestrator.core.standbymode import StandbyMode
 from orchestrator.recovery.failures import read_tail
 from orchestrator.recovery.policy import is_preemption
 from orchestrator.supervise import standby_policy
-from orchestrator.supervise.attempt import identity_record, spawn, watch_exit
+from orchestrator.supervise.procs import identity_record, spawn, watch_exit
 
 ON = StandbyMode.ON            # the job's setting: a standby wherever the device allows one
 WARM, IMPORT_ONLY = StandbyMode.WARM, StandbyMode.IMPORT_ONLY

@@ -9,7 +9,8 @@ pieces live beside it, one reason to change each:
 - ``compose.py``: the groups the constructor builds (run directory, recovery, checkpoints)
   and the commands it starts; ``slot.py``: the worker slot (the queue, the stop);
 - ``admission.py``: may this job resume this run directory (training hash, ``--force``);
-- ``attempt.py``: spawn, wait on events, stop a hung worker, kill the process group;
+- ``attempt.py``: one attempt over its workers (one, or a group): spawn, wait on events,
+  stop a hung worker, kill the process groups; ``procs.py``: how a process is started here;
 - ``ledger.py``: journal epochs and checkpoints from what is committed, exactly once;
 - ``finish.py``: the end of a run, completed (flush, export) or given up (the report);
 - ``recovery/``: classify, the policy (budgets, ladders, crash loops, backoff), the actions.
@@ -40,10 +41,11 @@ from orchestrator.recovery.evidence import JobContext
 from orchestrator.recovery.failures import classify, read_tail, signal_name
 from orchestrator.recovery.policy import GIVE_UP, Decision, Failure, is_preemption
 from orchestrator.supervise import admission
-from orchestrator.supervise.attempt import Attempt, Every, Outcome, Stopped, kill_orphans
+from orchestrator.supervise.attempt import Attempt, Every, Outcome, Stopped
 from orchestrator.supervise.compose import Checkpoints, Commands, Recovery, RunDirectory
 from orchestrator.supervise.finish import RunEnd, summary
-from orchestrator.supervise.group import GroupAttempt, LocalEngine
+from orchestrator.supervise.group import LocalEngine
+from orchestrator.supervise.procs import kill_orphans
 from orchestrator.supervise.slot import WorkerSlot, watch
 from orchestrator.supervise.standby import StandbyKeeper
 
@@ -173,26 +175,16 @@ class Supervisor:
             raise Stopped()
         self.recovery.probe(attempt=n)
         env = self.recovery.attempt_env(consume=True)
-        args = (n, self.commands.worker(self.spec, n), env, self.spec.job_dir,
-                self.rd.attempt_log(n), self.slot.events, self.slot.hang, self.journal,
-                self.say, self.rd.error_record(n), self.spec.stop_grace)
-        if self.engine is None:
-            attempt = Attempt(*args)
-        else:
-            attempt = GroupAttempt(*args, engine=self.engine, size=self.spec.workers,
-                                   rd=self.rd)
-            attempt.env[ENV_RESTORE_STEP] = self._group_restore_step()
-        self.slot.attempt = attempt
-        promoted, path = self.standby.promote(n, env)  # or, with why not, a cold start
-        if promoted is not None:
-            attempt.adopt(promoted, self.ledger.latest_epoch(), path)
-        else:
-            attempt.start(self.ledger.latest_epoch(), path)
+        if self.engine is not None:  # a group: every rank restores the same step
+            env[ENV_RESTORE_STEP] = self._group_restore_step()
+        attempt = self.slot.attempt = Attempt(
+            n, self.commands.worker(self.spec, n), env, spec=self.spec, rd=self.rd,
+            slot=self.slot, journal=self.journal, say=self.say, standby=self.standby,
+            engine=self.engine)
+        attempt.start(self.ledger.latest_epoch())  # the standby's process, or a cold start
         self.console.attempt_started(n, self.ledger.latest_epoch())
-        outcome = attempt.wait(
-            on_checkpoint=self.ledger.scan, on_training=lambda: self.standby.start(n + 1),
-            on_other_exit=lambda proc, rc: self.standby.exited(proc, rc, n + 1), duties=[
-                Every(self.spec.probe_interval, lambda: self.recovery.probe(n, running=True))])
+        outcome = attempt.wait(on_checkpoint=self.ledger.scan, duties=[
+            Every(self.spec.probe_interval, lambda: self.recovery.probe(n, running=True))])
         self.slot.attempt = None
         self.ledger.scan()
         self.recovery.remedies.ran_on(self._ready_strategy(n))
