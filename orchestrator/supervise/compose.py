@@ -24,13 +24,14 @@ from orchestrator.core.clock import Clock
 from orchestrator.core.events import Event
 from orchestrator.core.journal import Journal
 from orchestrator.core.lock import Lease, RunLock
+from orchestrator.core.outage import Outage
 from orchestrator.core.rundir import RunDir
 from orchestrator.core.spec import JobSpec
 from orchestrator.recovery import faults as faults_mod
 from orchestrator.recovery.actions import Remedies
 from orchestrator.recovery.policy import RecoveryPolicy
 from orchestrator.supervise.console import Progress
-from orchestrator.supervise.controlmirror import ControlMirror, Outage
+from orchestrator.supervise.controlmirror import ControlMirror
 from orchestrator.supervise.lease import LeaseKeeper
 from orchestrator.supervise.ledger import CheckpointLedger
 from orchestrator.supervise.slot import WorkerSlot
@@ -164,7 +165,7 @@ class Checkpoints:
                                     c.upload_backoff_initial, c.upload_backoff_max,
                                     remount=remount or remount_hook(spec),
                                     say=run_dir.console.say, hold=run_dir.lease.hold,
-                                    clock=clock)
+                                    outage=run_dir.outage, clock=clock)
         self.ledger = CheckpointLedger(self.store, run_dir.journal, run_dir.console,
                                        on_progress=recovery.policy.progress,
                                        on_scanned=self.mirror.notify)

@@ -17,7 +17,7 @@ from orchestrator.core.clock import SYSTEM, Clock
 from orchestrator.core.events import Event
 from orchestrator.core.journal import Journal
 from orchestrator.core.lock import Lease, LockLost, RunLock
-from orchestrator.supervise.controlmirror import Outage
+from orchestrator.core.outage import Outage
 from orchestrator.supervise.hangs import HangClock
 
 

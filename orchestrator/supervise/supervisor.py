@@ -27,15 +27,13 @@ import os
 import shutil
 import signal
 
-from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_exponential
 from watchdog.observers import Observer
 
 from orchestrator.core import heartbeat
 from orchestrator.core.clock import SYSTEM, Clock
 from orchestrator.core.events import Event
 from orchestrator.core.lock import LockLost
-from orchestrator.core.rundir import ENV_RESTORE_STEP, EXIT_LOCK_LOST, EXIT_STOPPED, RunDir, \
-    RunDirUnreachable
+from orchestrator.core.rundir import ENV_RESTORE_STEP, EXIT_LOCK_LOST, EXIT_STOPPED, RunDir
 from orchestrator.core.spec import JobSpec
 from orchestrator.recovery.evidence import JobContext
 from orchestrator.recovery.failures import classify, read_tail, signal_name
@@ -48,10 +46,6 @@ from orchestrator.supervise.group import LocalEngine
 from orchestrator.supervise.procs import kill_orphans
 from orchestrator.supervise.slot import WorkerSlot, watch
 from orchestrator.supervise.standby import StandbyKeeper
-
-# A run directory that does not answer at start is retried this long (a Drive mount that is
-# remounting takes seconds), then the start fails with a clear message.
-START_RETRY_S = 30.0
 
 
 class Supervisor:
@@ -87,13 +81,13 @@ class Supervisor:
     # ------------------------------------------------------------------ public
     def run(self) -> int:
         """Run (or resume) the job to completion. Returns the process exit code."""
-        stale = self._retry_start(self.run_dir.take)  # LockedError propagates to the caller
+        stale = self.run_dir.outage.retry_start(self.run_dir.take)  # LockedError propagates
         old_handlers = self.slot.install_signal_handlers()
         observer = Observer()
         try:
             self.console.start()
-            self._retry_start(lambda: self._open_run(stale,
-                                                     self.run_dir.control.merge_on_start()))
+            self.run_dir.outage.retry_start(
+                lambda: self._open_run(stale, self.run_dir.control.merge_on_start()))
             self.engine = self._group_engine()
             watch(observer, self.slot, self.checkpoints.store, self.rd)
             self.checkpoints.mirror.start()
@@ -134,20 +128,6 @@ class Supervisor:
 
     def say(self, msg: str) -> None:
         self.console.say(msg)
-
-    def _retry_start(self, step):
-        """A start step that touches the run directory, retried while it does not answer."""
-        retrying = Retrying(retry=retry_if_exception_type(OSError), reraise=True,
-                            stop=stop_after_delay(START_RETRY_S),
-                            wait=wait_exponential(multiplier=0.5, max=5.0))
-        try:
-            return retrying(step)
-        except OSError as exc:
-            raise RunDirUnreachable(
-                f"{self.rd.root}: the run directory cannot be written ({exc}), retried for "
-                f"{START_RETRY_S:.0f} s; the supervisor needs it to start (its lock and journal "
-                f"are there). Check the mount (on Colab: drive.mount(..., force_remount=True)) "
-                f"and run again: nothing was lost.") from exc
 
     # ------------------------------------------------------------------ the loop
     def _supervise(self) -> int:
