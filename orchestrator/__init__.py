@@ -28,3 +28,11 @@ def report(run_dir: str, out_dir: str | None = None) -> str:
     from orchestrator.ops.report import write_report
 
     return write_report(run_dir, out_dir)["report.html"]
+
+
+def run_on_colab(job: str, **kwargs) -> int:
+    """Carry the run of ``job`` through Colab runtimes from this machine, getting a new one
+    whenever one is lost (``orchestrator colab``); see ``orchestrator.api.run_on_colab``."""
+    from orchestrator.api import run_on_colab as _run_on_colab
+
+    return _run_on_colab(job, **kwargs)

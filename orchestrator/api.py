@@ -128,3 +128,42 @@ def _plain(value, key: str, functions: list, may_carry: bool = False):
     raise SpecError(SOURCE, None, key, f"expected what a job file holds (text, a number, true or "
                     f"false, a list, a mapping), got {type(value).__name__}; build such objects "
                     f"inside the functions")
+
+
+def run_on_colab(job: str, tpu: str | None = None, gpu: str | None = None,
+                 run_dir: str | None = None, local_dir: str | None = None,
+                 colab_cli: str | None = None, colab_auth: str | None = None,
+                 max_sessions: int | None = 10,
+                 max_hours: float | None = None, max_runtime_hours: float | None = None,
+                 poll_s: float = 30.0, lock_retry_s: float = 30.0, backoff_s: float = 60.0,
+                 unreachable_s: float = 300.0, remote_env: dict | None = None, out=None) -> int:
+    """Carry the run of ``job`` (a job file on this machine) through Colab runtimes, from a
+    machine that stays up (``orchestrator colab``; orchestrator/colab/loop.py): allocate one of
+    the kind asked (``tpu="v5e1"``, ``gpu="T4"``, neither: CPU) through Google's Colab CLI,
+    train there with the run directory on Drive, get another when it is lost; return 0 when
+    the run completed (its export is then in ``local_dir``), else the loop's exit status.
+
+    The job file is checked here first, so that a mistake costs no runtime. ``run_dir`` is
+    where the run lives on Drive as a runtime sees it (default
+    ``/content/drive/MyDrive/orchestrator-runs/NAME``); ``local_dir`` where the outer journal
+    and the export go on this machine (default ``colab-runs/NAME``); ``colab_auth`` the CLI's
+    ``--auth`` (oauth2 or adc)."""
+    from orchestrator.colab.colabcli import ColabCLI, executable
+    from orchestrator.colab.kinds import runtime_kind
+    from orchestrator.colab.loop import ColabLoop, Plan
+    from orchestrator.colab.policy import Backoff, Budgets
+
+    spec = load(job)
+    kind = runtime_kind(tpu=tpu, gpu=gpu)
+    run_dir = run_dir or f"/content/drive/MyDrive/orchestrator-runs/{spec.name}"
+    if not run_dir.startswith("/content/drive/"):
+        raise ValueError(f"--run-dir {run_dir}: expected a folder under /content/drive/ (Drive, "
+                         f"as a runtime sees it): the run must outlive the runtime")
+    plan = Plan(job=job, name=spec.name, kind=kind, run_dir=run_dir.rstrip("/"),
+                local_dir=local_dir or os.path.join("colab-runs", spec.name),
+                budgets=Budgets(max_sessions=max_sessions, max_hours=max_hours,
+                                max_runtime_hours=max_runtime_hours),
+                backoff=Backoff(initial_s=backoff_s, max_s=max(backoff_s, 1800.0)),
+                poll_s=poll_s, lock_retry_s=lock_retry_s, unreachable_s=unreachable_s,
+                remote_env=dict(remote_env or {}))
+    return ColabLoop(plan, ColabCLI(executable(colab_cli), auth=colab_auth), out=out).run()

@@ -31,6 +31,22 @@ def _cmd_run(args) -> int:
                backend=args.backend)
 
 
+def _cmd_colab(args) -> int:
+    from orchestrator.api import run_on_colab
+
+    try:
+        return run_on_colab(args.job, tpu=args.tpu, gpu=args.gpu, run_dir=args.run_dir,
+                            local_dir=args.local_dir, colab_cli=args.colab_cli,
+                            colab_auth=args.colab_auth,
+                            max_sessions=args.max_sessions or None, max_hours=args.max_hours,
+                            max_runtime_hours=args.max_runtime_hours, poll_s=args.poll,
+                            lock_retry_s=args.lock_retry, backoff_s=args.backoff,
+                            unreachable_s=args.unreachable)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"orchestrator colab: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+
+
 def _cmd_diagnose(args) -> int:
     from orchestrator.ops.diagnose import diagnose
     from orchestrator.core.specload import load
@@ -120,6 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--engine", choices=ENGINES,
                    help="who places the workers: local processes or Ray; overrides `engine:`")
     r.set_defaults(func=_cmd_run)
+    _colab_parser(sub)
     d = sub.add_parser("diagnose", help="classify a log or traceback (FILE, or - for stdin)")
     d.add_argument("file")
     d.add_argument("--job", help="use this job's recovery policy (default: the defaults)")
@@ -146,6 +163,66 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--json", action="store_true", help="machine-readable output")
     d.set_defaults(func=_cmd_doctor)
     return p
+
+
+def _wrap(*paragraphs: str) -> str:
+    import textwrap
+
+    return "\n\n".join(textwrap.fill(p, 79) for p in paragraphs)
+
+
+def _colab_parser(sub) -> None:
+    from orchestrator.colab.kinds import GPUS, TPUS
+
+    c = sub.add_parser(
+        "colab", help="carry a run through Colab runtimes from this machine: allocate, train, "
+                      "get a new runtime when one is lost (Google's Colab CLI)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=_wrap("Run this on a machine that stays up (a laptop, Cloud Shell, a small "
+                          "VM). It allocates a Colab runtime through Google's Colab CLI (`pip "
+                          "install google-colab-cli`, signed in once), mounts Drive there, sends "
+                          "this orchestrator and the job's folder, starts `orchestrator run` "
+                          "with the run directory on Drive, follows it, and allocates again "
+                          "whenever the runtime is lost: the run resumes from Drive. At the end "
+                          "it stops the runtime and downloads the export."),
+        epilog=_wrap(f"runtime kinds: --tpu {{{','.join(TPUS)}}}, --gpu {{{','.join(GPUS)}}}, "
+                     f"neither: CPU.",
+                     "budgets: --max-sessions (runtimes given, default 10), --max-hours (wall "
+                     "time since the first request), --max-runtime-hours (runtime hours held); "
+                     "a capacity refusal or usage limit backs off (--backoff, doubling to 30 "
+                     "min) until a budget is spent.",
+                     "exit status: 0 completed (export downloaded), 1 the run failed, 2 bad job "
+                     "or arguments, 5 the Colab CLI needs you to sign in (the line says what to "
+                     "run), 6 a budget is spent (run it again to go on), 130 interrupted."))
+    c.add_argument("job", help="the job's YAML file, on this machine (its folder is sent)")
+    kind = c.add_mutually_exclusive_group()
+    kind.add_argument("--tpu", choices=TPUS, help="a TPU runtime")
+    kind.add_argument("--gpu", choices=GPUS, help="a GPU runtime")
+    c.add_argument("--run-dir", help="the run directory on Drive as the runtime sees it "
+                   "(default /content/drive/MyDrive/orchestrator-runs/NAME)")
+    c.add_argument("--local-dir", help="where the outer journal and the export go here "
+                   "(default colab-runs/NAME)")
+    c.add_argument("--colab-cli", metavar="PATH", help="the Colab CLI's executable (default "
+                   "$ORCHESTRATOR_COLAB_CLI, else `colab` on the PATH)")
+    c.add_argument("--colab-auth", choices=("oauth2", "adc"),
+                   help="the Colab CLI's --auth, given to each of its calls (default: the "
+                        "CLI's own, oauth2)")
+    c.add_argument("--max-sessions", type=int, default=10, metavar="N",
+                   help="runtimes to use at most (0: no limit; default 10)")
+    c.add_argument("--max-hours", type=float, metavar="H",
+                   help="stop after H hours from the first request")
+    c.add_argument("--max-runtime-hours", type=float, metavar="H",
+                   help="stop once the runtimes held add up to H hours")
+    c.add_argument("--backoff", type=float, default=60.0, metavar="S",
+                   help="first wait after a refusal (default 60 s; doubles, 30 min at most)")
+    c.add_argument("--poll", type=float, default=30.0, metavar="S",
+                   help="seconds between two looks at the runtime (default 30)")
+    c.add_argument("--lock-retry", type=float, default=30.0, metavar="S",
+                   help="seconds before starting again when a lost runtime's lock is not "
+                        "stale yet (default 30)")
+    c.add_argument("--unreachable", type=float, default=300.0, metavar="S",
+                   help="a runtime that gives no answer this long counts as lost (default 300)")
+    c.set_defaults(func=_cmd_colab)
 
 
 # The errors whose message is the whole answer, and the exit status each gives.

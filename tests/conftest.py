@@ -72,7 +72,15 @@ def backend():
 
 @pytest.fixture(scope="session")
 def _jax_compile_cache(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("jax-compile-cache"))
+    """The session's, shared by its pytest-xdist processes (pytest-of-USER/pytest-N): a
+    program compiled by one test's worker is a hit in every other's."""
+    import os
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    (root / "jax-compile-cache").mkdir(exist_ok=True)
+    return str(root / "jax-compile-cache")
 
 
 @pytest.fixture(autouse=True)

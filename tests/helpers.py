@@ -18,6 +18,10 @@ FAKE_WORKER = os.path.join(ROOT, "tests", "fakes", "fake_worker.py")
 # runs once per backend, its job saying ``backend: <backend>`` (the ``backend`` fixture).
 BACKENDS = ("tensorflow", "jax")
 BOTH_BACKENDS = pytest.mark.parametrize("backend", BACKENDS)
+# A guarantee whose code path does not pass through the backend (the supervisor, the background
+# writer's thread, the run directory's mirrors) is proven once, on JAX (Colab's TPU runtimes
+# and the cheaper start here): both backends doubled its cost for no path of its own.
+ONE_BACKEND = pytest.mark.parametrize("backend", ("jax",))
 
 
 def once_per_session(tmp_path_factory, name: str, make):

@@ -50,6 +50,12 @@ CASES = [
     pytest.param("wgan_job", "", "tensorflow", ("optimizer@d_optimizer", "optimizer@g_optimizer"),
                  id="wgan_gp-tensorflow"),
     pytest.param("closs_job", CLASSIFIER, "jax", (), id="compute_loss-jax"),
+    # data the job batches itself (train/epochdata.py), one backend each (both kinds go
+    # through the same Python generator of batches, which TensorFlow's fit wraps in tf.data
+    # and JAX's reads as it is): a PyDataset with set_epoch read by two threads, and a
+    # generator function of the epoch with steps_per_epoch
+    pytest.param("pydataset_job", CLASSIFIER, "tensorflow", (), id="pydataset-tensorflow"),
+    pytest.param("generator_job", CLASSIFIER, "jax", (), id="generator-jax"),
 ]
 
 

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from helpers import BOTH_BACKENDS, ROOT
+from helpers import BOTH_BACKENDS, ONE_BACKEND, ROOT
 from orchestrator.core.journal import Journal
 from test_e2e import (DIGITS_JOB, EVERY_STEPS, _completed, digits_reference,  # noqa: F401
                       write_job_files)
@@ -79,7 +79,7 @@ def test_a_kill_during_a_background_write_keeps_the_previous_checkpoint_and_exac
     _same_training(events, reference)
 
 
-@BOTH_BACKENDS
+@ONE_BACKEND
 def test_enospc_in_the_background_writer_fails_the_attempt_as_storage(reference, tmp_path):
     events = _run_with_faults(tmp_path, "disk-full@checkpoint=2")
     fault = json.loads((tmp_path / "run" / "faults" / "disk-full_checkpoint_2.json").read_text())

@@ -127,7 +127,8 @@ def test_sigterm_mid_epoch_saves_that_step_and_the_run_resumes_there_bit_identic
     # not)
     write_job_files(tmp_path)
     job = tmp_path / "job.yaml"
-    job.write_text(DIGITS_JOB + f"backend: {backend}\n")
+    # (no standby: `auto` would start one after the notice, which nothing uses)
+    job.write_text(DIGITS_JOB + f"backend: {backend}\nstandby: off\n")
     job = str(job)
     run = tmp_path / "run"
     ctl = live(job, run)

@@ -1,5 +1,5 @@
-"""The warm standby with real TensorFlow workers: killed runs whose recoveries were promoted
-standbys end with the uninterrupted run's weights, bit for bit."""
+"""The warm standby with real workers: killed runs whose recoveries were promoted standbys end
+with the uninterrupted run's weights, bit for bit."""
 import os
 import shutil
 import signal
@@ -10,17 +10,19 @@ import time
 import pytest
 
 from helpers import BOTH_BACKENDS, ROOT, live, wait_until
+from test_e2e import DIGITS_JOB, digits_reference, write_job_files  # noqa: F401
 from orchestrator.core import heartbeat
 from orchestrator.core.journal import Journal
 
 pytestmark = pytest.mark.e2e
 
+# For a cold worker and a standby side by side (the standby's own job: one epoch)
 JOB = """
 name: digits-standby
 model: digits_job:build_model
 data: digits_job:load_data
 compile: {optimizer: adam, loss: sparse_categorical_crossentropy, metrics: [accuracy]}
-epochs: 30
+epochs: 1
 batch_size: 32
 strategy: cpu
 seed: 5
@@ -32,10 +34,13 @@ heartbeat_interval: 0.05
 """
 
 
-# The run must outlast three standby warm-ups (JAX trains digits twice as fast as TensorFlow:
-# 160 epochs of real training were needed). Its steps are slowed instead: sleeping, not
-# computing, so the suite's CPU goes to the tests beside it, and the weights are the same.
-SLOW_STEPS = "slow-steps@step=1,for=0.03"
+# The killed run is the digits job of test_e2e, compared with the session's uninterrupted run
+# of it (no reference of its own: a framework start and a whole training saved). It must
+# outlast three standby warm-ups (up to ~40 s each with the suite's four processes on 2 cores):
+# its 225 steps are slowed, sleeping, not computing (JAX trains digits twice as fast as
+# TensorFlow: 160 epochs of real training were needed once), so the suite's CPU goes to the
+# tests beside it, and the weights are the same.
+SLOW_STEPS = "slow-steps@step=1,for=0.5"
 
 
 def _job(tmp_path, name, standby):
@@ -98,14 +103,13 @@ SLOW_WRITE = "delay-checkpoint@checkpoint=2,for=90"
 
 @BOTH_BACKENDS
 def test_kills_mid_epoch_between_epochs_and_during_a_write_recover_warm_bit_identical(
-        tmp_path, backend):
-    ref = _start(_job(tmp_path, "ref", "off"), tmp_path / "ref-run")
-    out, _ = ref.communicate(timeout=300)
-    assert ref.returncode == 0, out
-    ref_events = Journal(str(tmp_path / "ref-run" / "events.jsonl")).events()
-
+        tmp_path, backend, digits_reference):
+    ref_events = digits_reference["events"]
     run = tmp_path / "run"
-    job = _job(tmp_path, "warm", "on")
+    write_job_files(tmp_path)
+    job = tmp_path / "job.yaml"
+    job.write_text(DIGITS_JOB + f"backend: {backend}\nstandby: on\n")
+    job = str(job)
     ctl = live(job, run)
     journal = Journal(ctl.journal)
     sup = _start(job, run, "--fault", SLOW_WRITE, "--fault", SLOW_STEPS)
@@ -182,10 +186,6 @@ def test_a_standby_promoted_before_any_checkpoint_trains_as_a_cold_worker_would(
     """Its traced step is undone: promoted with no checkpoint, it starts from the very state a
     cold worker builds, and one epoch ends with the same weights."""
     path = _job(tmp_path, "one-epoch", "on")
-    with open(path) as f:
-        text = f.read().replace("epochs: 30", "epochs: 1")
-    with open(path, "w") as f:
-        f.write(text)
     worker = [sys.executable, "-m", "orchestrator.train.worker", path, "--attempt", "1"]
     cold = subprocess.run(worker + ["--run-dir", str(tmp_path / "cold")], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)

@@ -163,7 +163,26 @@ def test_jax_s_own_cache_setting_is_taken_as_the_local_folder(tmp_path):
     assert default.local == str(tmp_path / "tier" / "jax-cache")
     assert default.durable == str(tmp_path / "run" / "jax-cache")
     mine = CompileCache.for_spec(Spec, env={"JAX_COMPILATION_CACHE_DIR": "/shared/cache"})
-    assert mine.local == "/shared/cache"
+    assert mine.local == "/shared/cache" and mine.shared and not default.shared
+
+
+def test_a_shared_cache_mirrors_only_what_this_run_compiled(tmp_path):
+    """JAX_COMPILATION_CACHE_DIR set: other runs' entries stay out of this run's directory;
+    what the run directory had is pulled, and what this run compiles is pushed."""
+    local, durable = tmp_path / "machine-cache", tmp_path / "run" / "jax-cache"
+    local.mkdir()
+    (local / "other-run-entry").write_bytes(b"theirs")
+    durable.mkdir(parents=True)
+    (durable / "run-entry").write_bytes(b"ours, earlier")
+    cache = CompileCache(str(local), str(durable), shared=True)
+    assert cache.pull() == 1
+    (local / "compiled-now").write_bytes(b"ours")
+    assert cache.push() == 1
+    assert sorted(os.listdir(durable)) == ["compiled-now", "run-entry"]
+    # the default folder is this run's own: everything it holds is mirrored
+    own = CompileCache(str(local), str(tmp_path / "run2" / "jax-cache"))
+    own.pull()
+    assert own.push() == 3
 
 
 # In a JAX process where `import tensorflow` fails: seed, build, and read the whole state in

@@ -129,6 +129,30 @@ class Event:
     #: the export failed
     EXPORT_FAILED = "export_failed"
 
+    # The outer loop (``orchestrator colab``, orchestrator/colab/): written by the driver on the
+    # user's machine into its own journal (core/hosts.py), which it also copies to the run
+    # directory; each names the runtime's ``session`` (the Colab CLI's session name).
+    #: a runtime of ``kind`` is asked for (``n``: the how-manieth)
+    RUNTIME_REQUESTED = "runtime_requested"
+    #: ... and refused (``reason``: capacity, usage_limit, error; ``line``: the CLI's own words;
+    #: ``retry_in_s``: the backoff before the next request)
+    RUNTIME_REFUSED = "runtime_refused"
+    #: ... and given (``took_s``)
+    RUNTIME_ALLOCATED = "runtime_allocated"
+    #: Drive is mounted and the orchestrator installed there (``host``, ``setup_s``)
+    RUNTIME_READY = "runtime_ready"
+    #: ``orchestrator run`` was started detached in the runtime (``pid``)
+    REMOTE_RUN_STARTED = "remote_run_started"
+    #: ... and refused the run directory's lock: another runtime's supervisor may still hold
+    #: it (core/lock.py's takeover rule); started again after ``retry_in_s``
+    REMOTE_RUN_LOCKED = "remote_run_locked"
+    #: a runtime's session is over (``why``: completed, lost, unreachable, supervisor_died,
+    #: failed, stopped, setup_failed; ``lasted_s``; ``step``: the run's last known step)
+    RUNTIME_ENDED = "runtime_ended"
+    #: the outer loop is done (``how``: completed, failed, login_expired, budget, interrupted;
+    #: ``line``: what the user was told)
+    OUTER_ENDED = "outer_ended"
+
 
 ALL = frozenset(v for k, v in vars(Event).items() if k.isupper())
 

@@ -18,8 +18,8 @@ from orchestrator.ops import timeline
 from orchestrator.ops.svgchart import (MUTED, Axes, Canvas, legend, message, nice_ticks,
                                        text_width)
 from orchestrator.core.formatting import fmt_duration, fmt_metrics
-from orchestrator.ops.status import (format_budgets, format_outage, format_workers, load_run,
-                                     run_status)
+from orchestrator.ops.status import (format_budgets, format_outage, format_runtime,
+                                     format_workers, load_run, run_status)
 from orchestrator.core.kinds import Kind
 
 # Fixed colours, so a reader (and the rendering test) can tell the series apart.
@@ -237,6 +237,10 @@ def _timeline(tl: timeline.Timeline) -> str:
         x = ax.px(base / scale)
         c.line(x, ax.y, x, ax.y + ax.h, "#333333", 1.2, "6 3",
                tip="a later `orchestrator run` resumed the run (time away is not shown)")
+    for s, (_, _, base) in zip(tl.sessions, starts):  # each supervisor's host (a runtime)
+        if s.host:
+            c.text(ax.px(base / scale) + 3, ax.y + ax.h - 4, f"on {s.host}", 9, "start", MUTED,
+                   tip=f"a supervisor on host {s.host} from {fmt_duration(base)}")
     ticks = [t for t in nice_ticks(0, total / scale, 8) if t <= total / scale]
     ax.x_axis(ticks, f"supervised time ({unit}); time with no supervisor running is left out",
               grid=False)
@@ -318,6 +322,8 @@ def render_html(s: dict, tl: timeline.Timeline, charts: dict, now: float) -> str
          f"{fmt_duration(s['wall_s'])} supervised)"),
         ("lost to faults", fmt_duration(s["lost_to_faults_s"])),
         ("away (no supervisor)", fmt_duration(s["away_s"])),
+        ("runtimes (orchestrator colab)",
+         "; ".join(format_runtime(r) for r in s["runtimes"]) or "-"),
         ("last metrics", fmt_metrics(s["metrics"]) if s["metrics"] else "-"),
         ("last error", s["last_error"] or "-"),
         ("weights sha256", s["weights_sha256"] or "-"),

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import time
 
-from orchestrator.core import heartbeat
+from orchestrator.core import heartbeat, hosts
 
 from orchestrator.ops import timeline
 from orchestrator.core.formatting import fmt_duration, fmt_metrics
@@ -47,7 +47,8 @@ def run_status(run_dir: str, now: float | None = None) -> dict:
     rd, events, running = load_run(run_dir)
     info = read_json(rd.run_info) or {}
     tl = timeline.build(events, running=running, now=now)
-    acct = timeline.account(tl)
+    outer = Journal(os.path.join(rd.root, hosts.FILE)).events()  # `orchestrator colab`'s
+    acct = timeline.account(tl, hosts.span(outer, now))
     epochs_total = next((e.get("epochs") for e in reversed(events)
                          if e["event"] in timeline.SESSION_START), None)
     durable = CheckpointStore(rd.checkpoints)  # the run directory's: the durable tier
@@ -96,6 +97,7 @@ def run_status(run_dir: str, now: float | None = None) -> dict:
         "lost_to_faults_s": acct["lost_to_faults_s"],
         "time_by_cause_s": acct["by_cause_s"],
         "away_s": acct["away_s"],
+        "runtimes": [h.record(now) for h in hosts.hosts(outer)],
         "last_checkpoint": _checkpoint(latest),
         "checkpoints_by_tier": _tiers(events, durable_latest, local_latest),
         "durable_unreachable_since": (durable_down["since"] if running and
@@ -162,6 +164,15 @@ def outages(events: list[dict], now: float, part: str = RUN_DIR) -> list[dict]:
 def format_workers(workers: list[dict]) -> str:
     """The ranks of the last attempt's group (status and the report)."""
     return ", ".join(f"rank {w['rank']} pid {w['pid']} on {w['host']}" for w in workers)
+
+
+def format_runtime(r: dict) -> str:
+    """One runtime of the outer loop in words (status and the report)."""
+    refused = f", after {r['refusals']} refusal(s)" if r.get("refusals") else ""
+    lasted = f" for {fmt_duration(r['lasted_s'])}" if r.get("lasted_s") is not None else ""
+    step = f" at step {r['step']}" if r.get("step") is not None else ""
+    return (f"#{r['n']} {r['session']} ({r['kind']}{refused}) on host {r.get('host') or '?'}"
+            f"{lasted}: {r['why']}{step}")
 
 
 def format_outage(o: dict) -> str:
@@ -270,6 +281,11 @@ def format_status(s: dict, now: float | None = None) -> str:
                      + (f" on {b['devices']}" if b.get("devices") else ""))
     if s.get("workers"):
         lines.append(f"  workers: {format_workers(s['workers'])}")
+    if s.get("runtimes"):
+        between = s["time_by_cause_s"].get(timeline.BETWEEN_RUNTIMES, 0.0)
+        lines.append(f"  runtimes (orchestrator colab): {len(s['runtimes'])}; time outside any "
+                     f"supervisor {fmt_duration(between)}")
+        lines += [f"    {format_runtime(r)}" for r in s["runtimes"]]
     for o in s.get("run_dir_outages", [])[-3:]:
         lines.append(f"  run directory unreachable {format_outage(o)}")
     if s["metrics"]:

@@ -11,6 +11,10 @@ Goodput = useful / wall, where, from journal timestamps:
     ``run_completed``/``run_failed``/``supervisor_stopped`` (or to its last event when the
     supervisor vanished, or to now while it runs). Time with no supervisor (a recycled VM nobody
     restarted yet) is ``away``, outside wall time.
+    Where the run was carried through runtimes by ``orchestrator colab`` (core/hosts.py), the
+    wall time is the outer loop's, from its first request for a runtime to its end: the time
+    between two supervisors (a runtime lost, the next one asked for, set up, waiting for the
+    lost one's lock to go stale) is charged to ``between_runtimes``, nothing is away.
   * useful: per attempt, from its first training step (``first_step``; else ``worker_ready``;
     else its start) to its last committed checkpoint: training whose result was kept.
 Everything else in wall time is charged to one cause: ``startup`` (a session's first worker
@@ -69,6 +73,7 @@ class Session:
     ended: float
     how: str    # completed | failed | stopped | vanished | running | ended
     attempts: list = field(default_factory=list)
+    host: str | None = None  # where its supervisor ran (journals from before: None)
 
 
 @dataclass
@@ -119,7 +124,7 @@ def build(events: list[dict], running: bool = False, now: float | None = None) -
         if ev in SESSION_START:
             if sessions and sessions[-1].how == "open":
                 _close(sessions[-1], current)
-            sessions.append(Session(started=ts, ended=ts, how="open"))
+            sessions.append(Session(started=ts, ended=ts, how="open", host=e.get("host")))
             current = None
             continue
         if not sessions:
@@ -231,13 +236,24 @@ def segments(tl: Timeline) -> list[tuple[str, float, float]]:
     return out
 
 
-def account(tl: Timeline) -> dict:
-    """Seconds of wall time by cause (``useful`` and ``in_progress`` included), and goodput."""
+BETWEEN_RUNTIMES = "between_runtimes"
+
+
+def account(tl: Timeline, span: tuple[float, float] | None = None) -> dict:
+    """Seconds of wall time by cause (``useful`` and ``in_progress`` included), and goodput.
+    ``span``: the outer loop's (core/hosts.span), when runtimes were carried by one: its time
+    outside every supervisor session counts, as ``between_runtimes``."""
     by: dict[str, float] = {}
     for cause, t0, t1 in segments(tl):
         by[cause] = by.get(cause, 0.0) + (t1 - t0)
     wall = sum(s.ended - s.started for s in tl.sessions)
     away = sum(max(0.0, b.started - a.ended) for a, b in zip(tl.sessions, tl.sessions[1:]))
+    if span is not None:
+        inside = sum(max(0.0, min(s.ended, span[1]) - max(s.started, span[0]))
+                     for s in tl.sessions)
+        between = max(0.0, span[1] - span[0] - inside)
+        by[BETWEEN_RUNTIMES] = between
+        wall, away = wall + between, 0.0
     lost = {k: v for k, v in by.items() if k not in NOT_LOST}
     faults_lost = sum(v for k, v in lost.items() if k not in NOT_FAULTS)
     return {

@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 
 from watchdog.observers import Observer
 
@@ -287,7 +288,8 @@ class Supervisor:
         self.recovery.remedies.recall(events)
         resumed = bool(events)
         self.journal.append(Event.RUN_RESUMED if resumed else Event.RUN_STARTED,
-                            job=self.spec.job_path, epochs=self.spec.epochs, pid=os.getpid())
+                            job=self.spec.job_path, epochs=self.spec.epochs, pid=os.getpid(),
+                            host=socket.gethostname())
         self.ledger.scan()
         self.say(f"{'resuming' if resumed else 'starting'} run '{self.spec.name}' in "
                  f"{self.rd.root} at epoch {self.ledger.latest_epoch()}/{self.spec.epochs}")

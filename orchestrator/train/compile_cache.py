@@ -25,8 +25,8 @@ CACHE_DIR = "jax-cache"
 JAX_CACHE_ENV = "JAX_COMPILATION_CACHE_DIR"  # JAX's own setting, read as the local folder
 
 
-def _copy_missing(src: str, dst: str) -> int:
-    """Copy the files of ``src`` that ``dst`` lacks; returns how many."""
+def _copy_missing(src: str, dst: str, skip: frozenset = frozenset()) -> int:
+    """Copy the files of ``src`` that ``dst`` lacks, but those in ``skip``; returns how many."""
     try:
         names = os.listdir(src)
     except FileNotFoundError:
@@ -36,7 +36,7 @@ def _copy_missing(src: str, dst: str) -> int:
     n = 0
     for name in names:
         path = os.path.join(src, name)
-        if name in have or name.startswith(".tmp-") or not os.path.isfile(path):
+        if name in have or name in skip or name.startswith(".tmp-") or not os.path.isfile(path):
             continue
         tmp = os.path.join(dst, f".tmp-{uuid.uuid4().hex[:8]}-{name}")
         shutil.copyfile(path, tmp)
@@ -48,8 +48,14 @@ def _copy_missing(src: str, dst: str) -> int:
 class CompileCache:
     """The local cache folder JAX compiles into, and its mirror in the run directory."""
 
-    def __init__(self, local: str, durable: str):
+    def __init__(self, local: str, durable: str, shared: bool = False):
         self.local, self.durable = local, durable
+        # A folder the runtime or the user keeps for every run of the machine holds other
+        # runs' executables: only what this run compiles is its to mirror (copying a shared
+        # cache of hundreds of entries into every run directory, a Drive folder, would cost
+        # each run that much upload). Those found there at start are skipped.
+        self.shared = shared
+        self._found: frozenset = frozenset()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._said = False
@@ -62,7 +68,8 @@ class CompileCache:
         env = os.environ if env is None else env
         base = os.path.dirname(os.path.abspath(spec.checkpoint.local_dir))
         local = env.get(JAX_CACHE_ENV) or os.path.join(base, CACHE_DIR)
-        return cls(local, os.path.join(spec.run_dir, CACHE_DIR))
+        return cls(local, os.path.join(spec.run_dir, CACHE_DIR),
+                   shared=bool(env.get(JAX_CACHE_ENV)))
 
     def pull(self) -> int:
         """Before JAX compiles anything: the run directory's entries this disk lacks (a
@@ -73,6 +80,9 @@ class CompileCache:
         except OSError as exc:
             self._say(f"not pulled from {self.durable} ({exc}); compiling afresh")
             return 0
+        finally:
+            if self.shared:
+                self._found = frozenset(os.listdir(self.local))
 
     def enable(self) -> None:
         """Point JAX at the local folder, caching every executable (JAX's defaults skip those
@@ -99,7 +109,7 @@ class CompileCache:
 
     def push(self) -> int:
         try:
-            n = _copy_missing(self.local, self.durable)
+            n = _copy_missing(self.local, self.durable, skip=self._found)
         except OSError as exc:
             self._say(f"not copied to {self.durable} yet ({exc}); tried again later")
             return 0

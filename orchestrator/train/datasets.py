@@ -4,7 +4,8 @@ Keras shuffles with a process-local stream, so an epoch replayed after a restart
 different order. Here each epoch's permutation is drawn from a stateless RNG keyed by the seed
 and the epoch number, inside the graph (TPU-safe: no Python generators), and the epochs are
 chained in one dataset that ``fit`` consumes with ``steps_per_epoch``. A run resumed in the
-middle of an epoch skips the batches that epoch already trained on.
+middle of an epoch skips the batches that epoch already trained on. Data whose batches the job
+makes (a ``keras.utils.PyDataset``, a generator function of the epoch) is ``epochdata.py``'s.
 """
 from __future__ import annotations
 
@@ -16,6 +17,12 @@ from dataclasses import dataclass
 import numpy as np
 
 
+# The keys of the dict a data factory may return; the last two only with a PyDataset or a
+# generator function as 'train' (epochdata.py).
+EPOCH_DATA_KEYS = ("steps_per_epoch", "shuffle")
+DATA_KEYS = {"train", "validation", *EPOCH_DATA_KEYS}
+
+
 class DataError(Exception):
     """The data factory returned something this tool cannot train on."""
 
@@ -24,7 +31,8 @@ class DataError(Exception):
 class JobData:
     # a part: (x,) / (x, y) / (x, y, sample_weight), or x alone (an array or a dict of arrays),
     # each of x, y, sample_weight an array or a dict or tuple of arrays; or an unbatched
-    # tf.data.Dataset of such elements
+    # tf.data.Dataset of such elements; or an epochdata.EpochData (a PyDataset, a generator
+    # function of the epoch), whose batches are the job's
     train: tuple | object
     validation: tuple | object | None
     num_examples: int
@@ -69,8 +77,14 @@ def unpack(batch) -> tuple:
 
 def _part(part, name: str, where: str):
     """One of train / validation as arrays, checked: every array has the same number of rows."""
-    if part is None or is_tf_dataset(part):
+    from orchestrator.train import epochdata
+
+    if part is None or is_tf_dataset(part) or epochdata.is_pydataset(part):
         return part
+    if epochdata.is_generator_like(part):
+        raise DataError(f"{where}: {name} data is a {type(part).__name__}: a generator is read "
+                        f"once and cannot be rewound; give arrays, a tf.data.Dataset or a "
+                        f"keras.utils.PyDataset")
     if isinstance(part, (tuple, list)) and not 1 <= len(part) <= 3:
         raise DataError(f"{where}: {name} data must be x, (x,), (x, y) or (x, y, sample_weight) "
                         f"(as Keras's fit takes them), got a {type(part).__name__} of "
@@ -97,23 +111,37 @@ def normalise(result, where: str) -> JobData:
     ``fit`` takes: x, (x,), (x, y) or (x, y, sample_weight), where x, y and the weights may be
     dicts or tuples of arrays (several inputs or outputs); a tuple of inputs with no labels is
     written ((x1, x2),)."""
+    from orchestrator.train import epochdata
+
+    own = {}  # the data dict's keys for a PyDataset or a generator function
     if isinstance(result, dict):
-        unknown = set(result) - {"train", "validation"}
+        unknown = set(result) - DATA_KEYS
         if "train" not in result or unknown:
-            raise DataError(f"{where}: expected a dict with 'train' and optionally 'validation', "
-                            f"got keys {sorted(result)}")
+            raise DataError(f"{where}: expected a dict with 'train' and optionally "
+                            f"'validation' (and, for a PyDataset or a generator function, "
+                            f"'steps_per_epoch', 'shuffle'), got keys {sorted(result)}")
         train, val = result["train"], result.get("validation")
+        own = {k: result[k] for k in EPOCH_DATA_KEYS if k in result}
     elif isinstance(result, np.ndarray):
         train, val = result, None
     elif isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], np.ndarray):
         train, val = result, None
     elif isinstance(result, (tuple, list)) and len(result) == 2:
         train, val = result
-    elif is_tf_dataset(result):
+    elif (is_tf_dataset(result) or epochdata.is_pydataset(result)
+          or epochdata.is_generator_like(result)):  # the last refused by make, saying why
         train, val = result, None
     else:
         raise DataError(f"{where}: expected x or (x, y) arrays, (train, validation), a dict with "
-                        f"'train'/'validation' or a tf.data.Dataset; got {type(result).__name__}")
+                        f"'train'/'validation', a tf.data.Dataset or a keras.utils.PyDataset; "
+                        f"got {type(result).__name__}")
+    if epochdata.is_pydataset(train) or epochdata.is_generator_like(train):
+        made = epochdata.make(train, own.get("steps_per_epoch"), own.get("shuffle"), where)
+        return JobData(made, _part(val, "validation", where), made.steps * made.rows)
+    if own:
+        raise DataError(f"{where}: {', '.join(repr(k) for k in sorted(own))} apply to a "
+                        f"keras.utils.PyDataset or a generator function of the epoch only; "
+                        f"arrays and tf.data are batched by batch_size in the (seed, epoch) order")
     train, val = _part(train, "train", where), _part(val, "validation", where)
     if is_tf_dataset(train):
         n = int(train.cardinality())
@@ -124,6 +152,18 @@ def normalise(result, where: str) -> JobData:
     if n == 0:
         raise DataError(f"{where}: the training data is empty")
     return JobData(train, val, n)
+
+
+def batching(data: JobData, global_batch: int, drop_remainder: bool, replicas: int,
+             in_group: bool) -> tuple[int, int]:
+    """(global batch, steps per epoch) of ``data``: ``batch_size`` x replicas over its examples,
+    or, for a PyDataset or a generator function, its own batch and steps (``EpochData.fixed``,
+    which refuses several replicas or workers)."""
+    from orchestrator.train import epochdata
+
+    if isinstance(data.train, epochdata.EpochData):
+        return data.train.fixed(replicas, in_group)
+    return global_batch, steps_per_epoch(data.num_examples, global_batch, drop_remainder)
 
 
 def steps_per_epoch(num_examples: int, global_batch: int, drop_remainder: bool) -> int:
@@ -137,7 +177,12 @@ def steps_per_epoch(num_examples: int, global_batch: int, drop_remainder: bool) 
 def train_dataset(data: JobData, seed: int, start_epoch: int, end_epoch: int, global_batch: int,
                   drop_remainder: bool, skip_batches: int = 0):
     """Batches for epochs ``start_epoch .. end_epoch-1``, each in its own (seed, epoch) order,
-    less the first ``skip_batches`` of ``start_epoch``."""
+    less the first ``skip_batches`` of ``start_epoch``. A PyDataset's or a generator
+    function's are a Python generator (Keras's fit takes one on either backend)."""
+    from orchestrator.train import epochdata
+
+    if isinstance(data.train, epochdata.EpochData):
+        return data.train.batches(seed, start_epoch, end_epoch, skip_batches)
     import tensorflow as tf
 
     if isinstance(data.train, tf.data.Dataset):
@@ -184,8 +229,10 @@ def _in_memory(ds):
 
 
 def validation_dataset(data: JobData, global_batch: int, drop_remainder: bool):
-    if data.validation is None:
-        return None
+    from orchestrator.train import epochdata
+
+    if data.validation is None or epochdata.is_pydataset(data.validation):
+        return data.validation  # a PyDataset: Keras's evaluate reads it in index order
     import tensorflow as tf
 
     if isinstance(data.validation, tf.data.Dataset):
@@ -198,6 +245,10 @@ def sample_batch(data: JobData, size: int):
     """A few training examples in the structure of a training batch (``unpack`` gives x, y,
     sample_weight), to build the model's and the metrics' variables before training (a
     checkpoint can only be restored into variables that exist)."""
+    from orchestrator.train import epochdata
+
     if is_tf_dataset(data.train):
         return next(iter(data.train.batch(size)))
+    if isinstance(data.train, epochdata.EpochData):
+        return map_part(lambda a: np.asarray(a)[:size], data.train.first)
     return map_part(lambda a: a[:size], data.train)

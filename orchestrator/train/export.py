@@ -1,7 +1,7 @@
 """Export a run's model for inference: ``python -m orchestrator.train.export RUN_DIR [--out DIR]``.
 
 Worker side (imports TensorFlow). At the end of a run the worker exports the model it trained
-(on the CPU with no strategy: ``worker._export_at_end`` calls ``write``); otherwise, or when
+(on the CPU with no strategy: ``at_end`` calls ``write``); otherwise, or when
 that failed, the supervisor runs this module as its own process, as ``orchestrator export``
 does. That builds the job's model (``jobcode``) with no distribution strategy on the CPU and
 restores the newest checkpoint that verifies (either tier). Either way the weights fingerprint
@@ -59,6 +59,33 @@ def export(run_dir: str, out: str | None = None) -> dict:
         model.optimizer.build(model.trainable_variables)
     state.restore(model, state.load_arrays(latest.path), latest.manifest.get("holders"))
     return write(model, spec, latest, out or rd.export)
+
+
+def at_end(spec, rd: RunDir, store, model, journal, heart, attempt,
+                   injector) -> None:
+    """Export the model just trained when the run is complete, saving the exporter process's
+    TensorFlow import and model build (seconds, at the end of every run). Only for a model
+    trained on the CPU with no distribution strategy, which is what the exporter process would
+    build; otherwise (TPU, GPU, replicas), and when this fails, the supervisor runs the
+    exporter process (it sees no export of the final weights)."""
+    from orchestrator.core.events import Event
+    from orchestrator.core.heartbeat import Phase
+
+    final = store.latest_valid()
+    if final is None or not final.ends_run(spec.epochs):
+        return
+    injector.at_export()
+    t0 = time.time()
+    try:
+        with heart.beating(phase=Phase.EXPORTING, epoch=final.epoch, step=final.step):
+            write(model, spec, final, rd.export)
+    except Exception as exc:  # noqa: BLE001 - the run is done; the supervisor's exporter retries
+        print(f"[worker] export failed, the supervisor will retry it in its own process: "
+              f"{type(exc).__name__}: {exc}", flush=True)
+        journal.append(Event.EXPORT_FAILED, source="worker", attempt=attempt, error=str(exc))
+        return
+    journal.append(Event.EXPORTED, source="worker", attempt=attempt, path=rd.export,
+                   step=final.step, seconds=round(time.time() - t0, 3))
 
 
 def write(model, spec, checkpoint, out: str) -> dict:

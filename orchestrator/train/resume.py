@@ -65,3 +65,26 @@ def plan(manifest: dict | None, *, global_batch: int, steps_per_epoch: int,
     if p.batch >= steps_per_epoch:
         p.batch = steps_per_epoch - 1
     return p
+
+
+def restore_point(store, rank: int, skipped: list):
+    """The checkpoint to restore: the newest that verifies; in a group, exactly the step the
+    supervisor names for every rank (ENV_RESTORE_STEP; empty: start afresh)."""
+    import os
+
+    from orchestrator.core.rundir import ENV_RESTORE_STEP
+    from orchestrator.train.jobcode import JobError
+
+    step = os.environ.get(ENV_RESTORE_STEP)
+    on_skip = lambda c, why: skipped.append((c, why))  # noqa: E731
+    if step is None:
+        return store.latest_valid(on_skip=on_skip)
+    if not step:
+        return None
+    found = store.latest_valid(on_skip=on_skip, step=int(step))
+    if found is None:
+        raise JobError(
+            f"rank {rank} on host {os.uname().nodename} cannot see checkpoint step {step} in "
+            f"{store.local.root} or {store.durable.root}: every worker of a group must reach "
+            f"the run directory (a shared path: NFS, gcsfuse, a Drive mount)")
+    return found

@@ -27,7 +27,7 @@ from orchestrator.core.heartbeat import HeartbeatWriter, Phase, Position, regist
 from orchestrator.core.journal import Journal
 from orchestrator.core.osutil import write_json_atomic
 from orchestrator.core.rundir import (CPU_DEVICES_ENV, ENV_BATCH_SIZE, ENV_REINIT,
-                                      ENV_RESTORE_STEP, ENV_STRATEGY, EXIT_CONFIG, EXIT_PREEMPTED,
+                                      ENV_STRATEGY, EXIT_CONFIG, EXIT_PREEMPTED,
                                       JOURNAL_FILE, RunDir)
 from orchestrator.core.backends import ENV_BACKEND
 from orchestrator.core.spec import JobSpec, SpecError
@@ -102,8 +102,8 @@ def prepare(spec: JobSpec, t_start: float, marks: dict) -> Prepared:
     is_tpu = placement.is_tpu
 
     data = jobcode.load_data(spec)
-    spe = datasets.steps_per_epoch(data.num_examples, global_batch,
-                                   drop_remainder=placement.drop_remainder)
+    global_batch, spe = datasets.batching(data, global_batch, placement.drop_remainder,
+                                          replicas, group is not None)
 
     model = jobcode.build_model(spec, strategy, data)
     with strategy.scope():
@@ -182,7 +182,7 @@ def run(prep: Prepared, rd: RunDir, attempt: int, progress, t_start: float, mark
     store = injector.wrap_store(tiers.for_spec(spec))  # commits: local tier
     store.remove_partial()
     skipped = []
-    latest = _restore_point(store, rank, skipped)
+    latest = resume.restore_point(store, rank, skipped)
     for c, why in skipped:
         journal.append(Event.CHECKPOINT_SKIPPED, source="worker", attempt=attempt, step=c.step,
                        path=c.path, reason=why)
@@ -305,7 +305,9 @@ def run(prep: Prepared, rd: RunDir, attempt: int, progress, t_start: float, mark
     finally:  # a failed attempt still finishes the write in flight: work the next one keeps
         ckpt_writer.close(failing=failing)
     if placement.plain:  # one default device, no distribution: the plain CPU model
-        _export_at_end(spec, rd, store, model, journal, heart, attempt, injector)
+        from orchestrator.train import export
+
+        export.at_end(spec, rd, store, model, journal, heart, attempt, injector)
     return {"epochs": progress.epoch, "fingerprint": state.fingerprint(model)}
 
 
@@ -324,50 +326,6 @@ def _rank() -> int:
     except (ValueError, KeyError, TypeError):
         return 0
     return group.rank if group else 0
-
-
-def _restore_point(store, rank: int, skipped: list):
-    """The checkpoint to restore: the newest that verifies; in a group, exactly the step the
-    supervisor names for every rank (ENV_RESTORE_STEP; empty: start afresh)."""
-    step = os.environ.get(ENV_RESTORE_STEP)
-    on_skip = lambda c, why: skipped.append((c, why))  # noqa: E731
-    if step is None:
-        return store.latest_valid(on_skip=on_skip)
-    if not step:
-        return None
-    found = store.latest_valid(on_skip=on_skip, step=int(step))
-    if found is None:
-        raise JobError(
-            f"rank {rank} on host {os.uname().nodename} cannot see checkpoint step {step} in "
-            f"{store.local.root} or {store.durable.root}: every worker of a group must reach "
-            f"the run directory (a shared path: NFS, gcsfuse, a Drive mount)")
-    return found
-
-
-def _export_at_end(spec: JobSpec, rd: RunDir, store, model, journal, heart, attempt,
-                   injector) -> None:
-    """Export the model just trained when the run is complete, saving the exporter process's
-    TensorFlow import and model build (seconds, at the end of every run). Only for a model
-    trained on the CPU with no distribution strategy, which is what the exporter process would
-    build; otherwise (TPU, GPU, replicas), and when this fails, the supervisor runs the
-    exporter process (it sees no export of the final weights)."""
-    from orchestrator.train import export
-
-    final = store.latest_valid()
-    if final is None or not final.ends_run(spec.epochs):
-        return
-    injector.at_export()
-    t0 = time.time()
-    try:
-        with heart.beating(phase=Phase.EXPORTING, epoch=final.epoch, step=final.step):
-            export.write(model, spec, final, rd.export)
-    except Exception as exc:  # noqa: BLE001 - the run is done; the supervisor's exporter retries
-        print(f"[worker] export failed, the supervisor will retry it in its own process: "
-              f"{type(exc).__name__}: {exc}", flush=True)
-        journal.append(Event.EXPORT_FAILED, source="worker", attempt=attempt, error=str(exc))
-        return
-    journal.append(Event.EXPORTED, source="worker", attempt=attempt, path=rd.export,
-                   step=final.step, seconds=round(time.time() - t0, 3))
 
 
 def _journal_preempted(rd: RunDir, attempt: int, exc: Preempted, progress) -> None:

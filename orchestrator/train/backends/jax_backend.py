@@ -274,7 +274,10 @@ class JaxBackend:
     def train_data(self, data, seed: int, begin: int, end: int, global_batch: int,
                    drop_remainder: bool, skip_batches: int = 0):
         from orchestrator.train import datasets
+        from orchestrator.train.epochdata import EpochData
 
+        if isinstance(data.train, EpochData):  # the job's own batches (one process: fixed())
+            return data.train.batches(seed, begin, end, skip_batches)
         rows = self.group.rows(global_batch) if self.group is not None else None
         if datasets.is_tf_dataset(data.train):  # TensorFlow is installed: the job made one
             ds = datasets.train_dataset(data, seed, begin, end, global_batch, drop_remainder,
@@ -285,8 +288,11 @@ class JaxBackend:
 
     def validation_data(self, data, global_batch: int, drop_remainder: bool):
         from orchestrator.train import datasets
+        from orchestrator.train.epochdata import is_pydataset
 
-        if data.validation is None or datasets.is_tf_dataset(data.validation):
+        if data.validation is None or is_pydataset(data.validation):
+            return data.validation  # a PyDataset: Keras's evaluate reads it in index order
+        if datasets.is_tf_dataset(data.validation):
             ds = datasets.validation_dataset(data, global_batch, drop_remainder)
             return ds if ds is None or self.group is None else \
                 _rank_part(ds, self.group.rows(global_batch))
@@ -309,9 +315,12 @@ class JaxBackend:
         """One validation batch of the real shape (the standby's traced step compiles the
         evaluation for it)."""
         from orchestrator.train import datasets
+        from orchestrator.train.epochdata import is_pydataset
 
-        if val is None or datasets.is_tf_dataset(val):
-            return val.take(1) if val is not None else None
+        if val is None or is_pydataset(val):
+            return None  # a PyDataset's evaluation is traced at the first epoch's end
+        if datasets.is_tf_dataset(val):
+            return val.take(1)
         return datasets.map_part(lambda a: a[:global_batch], val)
 
     def input_errors(self) -> tuple:

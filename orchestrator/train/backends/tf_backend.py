@@ -92,8 +92,11 @@ class TensorFlowBackend:
         return {}
 
     def validation_sample(self, val, global_batch: int):
-        """One validation batch (the standby's traced step)."""
-        return val.take(1) if val is not None else None
+        """One validation batch (the standby's traced step); none of a PyDataset, whose
+        evaluation is traced at the first epoch's end."""
+        from orchestrator.train.epochdata import is_pydataset
+
+        return val.take(1) if val is not None and not is_pydataset(val) else None
 
     def input_errors(self) -> tuple:
         """What a model and data that do not fit raise in the first step's forward pass."""
