@@ -26,6 +26,7 @@ from drivefaults import DriveFaults  # noqa: E402
 from orchestrator.checkpoint import tiers  # noqa: E402
 from orchestrator.core.journal import Journal  # noqa: E402
 from orchestrator.core.specload import load  # noqa: E402
+from orchestrator.supervise.compose import Commands  # noqa: E402
 from orchestrator.supervise.supervisor import Supervisor  # noqa: E402
 
 JOBS = {
@@ -69,7 +70,7 @@ def one_run(kind: str, job_name: str, edit, epochs: int, work: str, outage: tupl
         cpu0 = time.process_time()
         if kind == "B":
             threading.Thread(target=fail_for_a_while, daemon=True).start()
-        rc = Supervisor(spec, out=io.StringIO(), export_cmd=None).run()
+        rc = Supervisor(spec, out=io.StringIO(), commands=Commands(export=None)).run()
         stats["supervisor_cpu_s"] = round(time.process_time() - cpu0, 2)
     ev = journal.events()
     commits = [e["ts"] for e in ev if e["event"] == "checkpoint_committed"]

@@ -54,6 +54,14 @@ def fake_standby_cmd(spec, attempt, mode):
     return fake_worker_cmd(spec, attempt) + ["--standby", mode]
 
 
+def fake_commands(standby: bool = False):
+    """What the supervisor starts in the tests (supervise/compose.Commands): the fake worker,
+    with ``standby`` the fake standby (else none), and no exporter."""
+    from orchestrator.supervise.compose import Commands
+
+    return Commands(fake_worker_cmd, fake_standby_cmd if standby else None, None)
+
+
 def fake_env(plan: dict) -> dict:
     import json
 
@@ -72,8 +80,7 @@ def supervise(job, plan, out=None, standby=False):
     from orchestrator.supervise.supervisor import Supervisor
 
     out = out if out is not None else io.StringIO()
-    sup = Supervisor(load(job), worker_cmd=fake_worker_cmd, out=out, env=fake_env(plan),
-                     standby_cmd=fake_standby_cmd if standby else None)
+    sup = Supervisor(load(job), commands=fake_commands(standby), out=out, env=fake_env(plan))
     rc = sup.run()
     return rc, out.getvalue(), Journal(sup.rd.journal).events()
 
@@ -81,10 +88,10 @@ def supervise(job, plan, out=None, standby=False):
 def supervisor_process(job, plan):
     """The real supervisor with the fake worker, in its own process (to signal or kill it)."""
     code = ("import sys; sys.path.insert(0, %r); sys.path.insert(0, %r)\n"
-            "from helpers import fake_worker_cmd\n"
+            "from helpers import fake_commands\n"
             "from orchestrator.core.specload import load\n"
             "from orchestrator.supervise.supervisor import Supervisor\n"
-            "sys.exit(Supervisor(load(%r), worker_cmd=fake_worker_cmd).run())\n"
+            "sys.exit(Supervisor(load(%r), commands=fake_commands()).run())\n"
             % (os.path.join(ROOT, "tests"), ROOT, job))
     return subprocess.Popen([sys.executable, "-c", code], env=fake_env(plan),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -13,7 +13,7 @@ import threading
 import pytest
 
 import noimport
-from helpers import fake_env, fake_worker_cmd
+from helpers import fake_commands, fake_env
 from orchestrator import api
 from orchestrator.core import cellcode
 from orchestrator.core.spec import SpecError
@@ -144,7 +144,7 @@ def test_the_supervisor_freezes_the_code_only_once_the_run_is_admitted(tmp_path)
     """A refused resume (changed code) must leave the run's own code file as it was."""
     class FakeWorkerSupervisor(Supervisor):
         def __init__(self, spec, **kw):
-            super().__init__(spec, worker_cmd=fake_worker_cmd, env=fake_env({}), out=io.StringIO(),
+            super().__init__(spec, commands=fake_commands(), env=fake_env({}), out=io.StringIO(),
                              **kw)
 
     spec, cj = api.keyword_job(job(cell(), tmp_path))

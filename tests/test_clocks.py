@@ -13,7 +13,8 @@ from orchestrator.core import heartbeat
 from orchestrator.core.journal import Journal
 from orchestrator.core.lock import Lease, LockLost
 from orchestrator.core.rundir import RunDir
-from orchestrator.supervise.controlmirror import ControlMirror, Outage
+from orchestrator.core.outage import Outage
+from orchestrator.supervise.controlmirror import ControlMirror
 from orchestrator.supervise.hangs import HangClock
 from orchestrator.supervise.lease import LeaseKeeper
 

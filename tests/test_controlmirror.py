@@ -4,8 +4,9 @@ import os
 from orchestrator import cli
 from orchestrator.core.journal import Journal
 from orchestrator.core.rundir import RunDir
-from orchestrator.supervise import supervisor as supervisor_mod
-from orchestrator.supervise.controlmirror import ControlMirror, Outage
+from orchestrator.core import outage as outage_mod
+from orchestrator.core.outage import Outage
+from orchestrator.supervise.controlmirror import ControlMirror
 
 
 def _mirror(tmp_path, say=None):
@@ -88,7 +89,7 @@ def test_run_with_a_run_directory_that_never_answers_exits_4_with_a_clear_messag
         tmp_path, monkeypatch, capsys, fake_job):
     job = fake_job(epochs=1)
     (tmp_path / "run").write_text("a file where the run directory should be: a mount gone")
-    monkeypatch.setattr(supervisor_mod, "START_RETRY_S", 0.5)
+    monkeypatch.setattr(outage_mod, "START_RETRY_S", 0.5)
     rc = cli.main(["run", job])
     err = capsys.readouterr().err
     assert rc == cli.EXIT_RUN_DIR

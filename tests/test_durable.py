@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from helpers import ROOT, fake_env, fake_worker_cmd
+from helpers import ROOT, fake_commands, fake_env
 from drivefaults import DriveFaults
 from orchestrator import cli
 from orchestrator.checkpoint import tiers
@@ -32,7 +32,7 @@ CKPT = "checkpoint: {keep: 2, keep_every_epochs: 3, upload_backoff: {initial: 0.
 
 def _run(job, plan, **kw):
     out = io.StringIO()
-    sup = Supervisor(load(job), worker_cmd=fake_worker_cmd, out=out, env=fake_env(plan), **kw)
+    sup = Supervisor(load(job), commands=fake_commands(), out=out, env=fake_env(plan), **kw)
     rc = sup.run()
     return rc, out.getvalue(), Journal(sup.rd.journal).events()
 
@@ -110,13 +110,13 @@ def test_supervisor_killed_during_a_durable_upload_leaves_nothing_half_done(fake
     job = fake_job(epochs=3, extra="checkpoint: {upload_backoff: {initial: 0.02, max: 0.1}}")
     durable = tmp_path / "run" / "checkpoints"
     code = ("import sys; sys.path.insert(0, %r); sys.path.insert(0, %r)\n"
-            "from helpers import fake_worker_cmd\n"
+            "from helpers import fake_commands\n"
             "from drivefaults import DriveFaults\n"
             "from orchestrator.core.specload import load\n"
             "from orchestrator.supervise.supervisor import Supervisor\n"
             "with DriveFaults(%r) as d:\n"
             "    d.delay = 0.3\n"
-            "    sys.exit(Supervisor(load(%r), worker_cmd=fake_worker_cmd).run())\n"
+            "    sys.exit(Supervisor(load(%r), commands=fake_commands()).run())\n"
             % (os.path.join(ROOT, "tests"), ROOT, str(durable), job))
     p = subprocess.Popen([sys.executable, "-c", code], env=fake_env({}),
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -163,7 +163,7 @@ def test_changed_model_data_or_optimizer_is_refused_unless_forced(fake_job, caps
     with open(job, "w") as f:
         f.write(text.replace("batch_size: 8", "batch_size: 16"))
     with pytest.raises(IncompatibleResume, match="batch_size changed since it was created"):
-        Supervisor(load(job), worker_cmd=fake_worker_cmd).run()
+        Supervisor(load(job), commands=fake_commands()).run()
     assert cli.main(["run", job]) == 2
     err = capsys.readouterr().err
     assert "cannot resume the run" in err and "--force" in err and "Traceback" not in err
@@ -180,8 +180,8 @@ def test_a_resume_under_the_other_backend_is_refused_naming_both_unless_forced(f
     assert json.load(open(os.path.join(load(job).run_dir, "run.json")))["backend"] == "tensorflow"
     with pytest.raises(IncompatibleResume, match=r"backend \(the run trained on tensorflow, "
                                                  r"this one would train on jax.*\) changed"):
-        Supervisor(load(job, backend="jax"), worker_cmd=fake_worker_cmd).run()
-    sup = Supervisor(load(job, backend="jax"), worker_cmd=fake_worker_cmd, force=True,
+        Supervisor(load(job, backend="jax"), commands=fake_commands()).run()
+    sup = Supervisor(load(job, backend="jax"), commands=fake_commands(), force=True,
                      out=io.StringIO())
     assert sup.run() == 0
     info = json.load(open(os.path.join(load(job).run_dir, "run.json")))

@@ -22,11 +22,11 @@ import sys
 sys.path[:0] = [{os.path.join(ROOT, 'tests')!r}, {ROOT!r}]
 import orchestrator, orchestrator.api
 from orchestrator.supervise.supervisor import Supervisor
-from helpers import fake_worker_cmd
+from helpers import fake_commands
 
 class FakeWorkerSupervisor(Supervisor):  # the notebook API, with the fake worker
     def __init__(self, spec, **kw):
-        super().__init__(spec, worker_cmd=fake_worker_cmd, **kw)
+        super().__init__(spec, commands=fake_commands(), **kw)
 
 orchestrator.api.Supervisor = FakeWorkerSupervisor
 """

@@ -119,10 +119,10 @@ def test_a_real_oom_kill_of_the_worker_is_classified_out_of_memory(fake_job, tmp
         job = fake_job(epochs=2, restarts="{max: 3, backoff: {initial: 0.01}}")
         code = ("import os, sys; sys.path.insert(0, %r); sys.path.insert(0, %r)\n"
                 "open(os.path.join(%r, 'cgroup.procs'), 'w').write(str(os.getpid()))\n"
-                "from helpers import fake_worker_cmd\n"
+                "from helpers import fake_commands\n"
                 "from orchestrator.core.specload import load\n"
                 "from orchestrator.supervise.supervisor import Supervisor\n"
-                "sys.exit(Supervisor(load(%r), worker_cmd=fake_worker_cmd).run())\n"
+                "sys.exit(Supervisor(load(%r), commands=fake_commands()).run())\n"
                 % (os.path.join(ROOT, "tests"), ROOT, cg, job))
         out = subprocess.run([sys.executable, "-c", code], env=fake_env({"allocate_mb": {"1": 400}}),
                              capture_output=True, text=True, timeout=120)

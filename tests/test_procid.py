@@ -96,7 +96,7 @@ def test_a_dead_runs_leftovers_are_killed_only_when_proven_its_own(tmp_path, bys
     killed; a rank whose pid a stranger holds, one on another host and a promoted standby
     are left alone (the first two journaled with why)."""
     from orchestrator.core.journal import Journal
-    from orchestrator.supervise.attempt import identity_record, kill_orphans, spawn
+    from orchestrator.supervise.procs import identity_record, kill_orphans, spawn
 
     here = os.uname().nodename
     log = str(tmp_path / "w.log")

@@ -12,7 +12,7 @@ import zipfile
 
 import pytest
 
-from helpers import fake_env, fake_worker_cmd
+from helpers import fake_commands, fake_env
 from orchestrator.core import backends
 from orchestrator.core.journal import Journal
 from orchestrator.recovery.reinstall import installed, reinstall, reinstall_plan
@@ -114,7 +114,7 @@ def test_the_ladder_reinstalls_once_per_run_then_moves_on(local_package, fake_jo
     plan_env = dict(fake_env({"error": {"1": tpu, "2": tpu}}))
     plan_env["PYTHONPATH"] = target + os.pathsep + plan_env["PYTHONPATH"]
     out = io.StringIO()
-    sup = Supervisor(load(job), worker_cmd=fake_worker_cmd, out=out, env=plan_env)
+    sup = Supervisor(load(job), commands=fake_commands(), out=out, env=plan_env)
     assert sup.run() == 0, out.getvalue()
     rec = Journal(sup.rd.journal).events("recovery")
     assert [(e["kind"], e["action"]) for e in rec] == [

@@ -9,7 +9,7 @@ import traceback
 
 import pytest
 
-from helpers import fake_env, fake_worker_cmd
+from helpers import fake_commands, fake_env
 from orchestrator.checkpoint import tiers
 from orchestrator.core.journal import Journal
 from orchestrator.core.osutil import pid_alive
@@ -26,7 +26,7 @@ FAST = "{max: 6, backoff: {initial: 0.01, max: 0.05}}"
 def _run(job, plan=None, faults=(), env=None):
     out = io.StringIO()
     env = dict(fake_env(plan or {}), **(env or {}))
-    sup = Supervisor(load(job), worker_cmd=fake_worker_cmd, out=out, env=env, faults=faults)
+    sup = Supervisor(load(job), commands=fake_commands(), out=out, env=env, faults=faults)
     rc = sup.run()
     return rc, out.getvalue(), Journal(sup.rd.journal).events()
 

@@ -26,7 +26,8 @@ from orchestrator.checkpoint.store import Checkpoint, Retention
 from orchestrator.core.clock import SYSTEM, Clock
 from orchestrator.core.journal import Journal
 from orchestrator.checkpoint.tiers import TieredStore, is_durable, mark_durable, unmark_durable
-from orchestrator.core.events import Event
+from orchestrator.core.events import CHECKPOINTS, Event
+from orchestrator.core.outage import Outage
 
 REMOUNT_EVERY_S = 60.0
 COLAB_MOUNTPOINT = "/content/drive"
@@ -45,15 +46,19 @@ class DurableMirror:
                  backoff_initial: float = 1.0, backoff_max: float = 60.0,
                  remount: Callable[[str], object] | None = None,
                  remount_every_s: float = REMOUNT_EVERY_S, say: Callable[[str], None] | None = None,
-                 hold: Callable[[], bool] = lambda: True, clock: Clock = SYSTEM):
+                 hold: Callable[[], bool] = lambda: True, outage: Outage | None = None,
+                 clock: Clock = SYSTEM):
         """``hold()`` is asked before each pass: False means the run directory is not ours to
-        write now (the lock's lease, core/lock.py); the pass waits for the next one. ``clock``
-        times the outage and the remounts and runs the backoff's waits."""
+        write now (the lock's lease, core/lock.py); the pass waits for the next one.
+        ``outage``: the run directory's one (core/outage.py), whose ``CHECKPOINTS`` part this
+        mirror's failures and successes move (by default one of its own). ``clock`` times the
+        remounts and runs the backoff's waits."""
         self.hold, self.clock = hold, clock
         self.store, self.journal, self.retention = store, journal, retention
         self.backoff_initial, self.backoff_max = backoff_initial, backoff_max
         self.remount, self.remount_every_s = remount, remount_every_s
         self.say = say or (lambda msg: None)
+        self.outage = outage or Outage(journal, store.durable.root, self.say, clock)
         self._cond = threading.Condition()
         self._wanted = 0      # bumped by notify(): a pass must start after it
         self._passes = 0      # passes started
@@ -62,7 +67,6 @@ class DurableMirror:
         self._thread: threading.Thread | None = None
         self._durable_ok: dict[int, Checkpoint] = {}  # durable copies read back and verified
         self._bad_local: set[tuple] = set()  # local copies that failed to verify (journaled once)
-        self._down_since: float | None = None
         self._last_remount = float("-inf")
         self._journaled_backlog: tuple | None = None
         self._swept = False  # partial uploads of earlier sessions removed
@@ -104,7 +108,7 @@ class DurableMirror:
 
     @property
     def unreachable(self) -> bool:
-        return self._down_since is not None
+        return self.outage.is_down(CHECKPOINTS)
 
     # ---------------------------------------------------------------- what is due
     def _refresh_durable(self) -> None:
@@ -230,23 +234,21 @@ class DurableMirror:
 
     def _reachable(self) -> None:
         """A durable operation succeeded: if the tier was down, say it is back."""
-        if self._down_since is not None:
-            down = self.clock.time() - self._down_since
-            self._down_since = None
+        if not self.unreachable:
+            return
+        left = [x.step for x in self.backlog()]
+        if self.outage.came_back(
+                CHECKPOINTS, lambda down: f"durable tier is back after {down:.0f} s; flushing "
+                                          f"{len(left)} more checkpoint(s)",
+                lambda since, down: dict(down_s=round(down, 3), backlog=left)):
             self._journaled_backlog = None
-            left = [x.step for x in self.backlog()]
-            self.journal.append(Event.DURABLE_RESTORED, down_s=round(down, 3), backlog=left)
-            self.say(f"durable tier is back after {down:.0f} s; flushing {len(left)} more "
-                     f"checkpoint(s)")
 
     def _failed(self, c: Checkpoint | None, exc: BaseException, delay: float) -> None:
         err = {"errno": getattr(exc, "errno", None), "error": str(exc)}
-        if self._down_since is None:
-            self._down_since = self.clock.time()
-            self.journal.append(Event.DURABLE_UNREACHABLE, step=c.step if c else None,
-                                root=self.store.durable.root, **err)
-            self.say(f"durable tier {self.store.durable.root} unreachable ({exc}); training "
-                     f"goes on, checkpoints stay in {self.store.local.root} until it is back")
+        self.outage.went_down(
+            CHECKPOINTS, f"durable tier {self.store.durable.root} unreachable ({exc}); training "
+                         f"goes on, checkpoints stay in {self.store.local.root} until it is back",
+            step=c.step if c else None, root=self.store.durable.root, **err)
         backlog = tuple(x.step for x in self.backlog())
         if backlog != self._journaled_backlog:
             self._journaled_backlog = backlog

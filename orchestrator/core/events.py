@@ -155,3 +155,12 @@ class Event:
 
 
 ALL = frozenset(v for k, v in vars(Event).items() if k.isupper())
+
+# The parts of the run directory whose outages are journaled (core/outage.py), each with its
+# pair of events: (it stopped answering, it answers again). Status and the report read them
+# back through this table.
+RUN_DIR, CHECKPOINTS = "run_dir", "checkpoints"
+OUTAGE_EVENTS = {
+    RUN_DIR: (Event.RUN_DIR_UNREACHABLE, Event.RUN_DIR_RESTORED),
+    CHECKPOINTS: (Event.DURABLE_UNREACHABLE, Event.DURABLE_RESTORED),
+}

@@ -3,8 +3,8 @@
 Every error names the file, the line, the key and what was expected, and every such mistake of
 a file is reported at once. Each field's default is read from its dataclass field, never
 written here again. Only ``yaml.SafeLoader`` is used: a job file must never be able to run code
-by being parsed. (Past 400 lines: one reader per section of the job file; they share the
-reader and the key sets, and one file format is best read in one place.)
+by being parsed. The typed reader and the key sets derived from the dataclasses are in
+``specread.py``.
 """
 from __future__ import annotations
 
@@ -18,9 +18,10 @@ import yaml
 from orchestrator.core.backends import BACKENDS, resolve as resolve_backend
 from orchestrator.core.kinds import ACTIONS, KINDS
 from orchestrator.core.standbymode import StandbyMode
+from orchestrator.core.specread import Reader, keys, subkeys
 from orchestrator.core.spec import (_FACTORY_RE, BUILTIN_CALLBACKS, CELL_MODULE, ENGINES,
                                     SCHEDULES, STANDBY_MODES, STRATEGIES, CallbackSpec,
-                                    CheckpointSpec, CodeSpec, CompileSpec, CrashLoopSpec, Factory,
+                                    CheckpointSpec, CodeSpec, CompileSpec, CrashLoopSpec,
                                     JobSpec, LearningRateSpec, RecoverySpec, RestartSpec, Rung,
                                     SCHEDULE_PARAMS, CosineParams, SpecError, StepDecayParams,
                                     TensorBoardSpec)
@@ -57,109 +58,6 @@ def _compose(text: str, path: str) -> tuple[Any, dict]:
     return data, lines
 
 
-class _Reader:
-    """Reads typed values out of a mapping, with file, line and key in every error.
-
-    A value of the wrong type or out of bounds, and an unknown key, are noted and reading goes
-    on (the field takes its default), so that ``load`` reports every such mistake of a job
-    file at once; a structural one (not a mapping, a required key missing) stops at once."""
-
-    def __init__(self, path: str, lines: dict):
-        self.path, self.lines = path, lines
-        self.errors: list[SpecError] = []
-
-    def error(self, key: str, expected: str) -> SpecError:
-        line = self.lines.get(key)
-        if line is None and "." in key:
-            line = self.lines.get(key.rsplit(".", 1)[0])
-        return SpecError(self.path, line, key, expected)
-
-    def fail(self, key: str, expected: str):
-        raise self.error(key, expected)
-
-    def note(self, key: str, expected: str, default=None):
-        """A mistake that does not stop the reading: noted, and ``default`` taken instead."""
-        self.errors.append(self.error(key, expected))
-        return default
-
-    def mapping(self, data, prefix: str, allowed: set, required: set = frozenset()) -> dict:
-        if not isinstance(data, dict):
-            self.fail(prefix or "(top level)", f"expected a mapping, got {type(data).__name__}")
-        for k in data:
-            if str(k) not in allowed:
-                key = f"{prefix}.{k}" if prefix else str(k)
-                self.note(key, f"unknown key; expected one of: {', '.join(sorted(allowed))}")
-        for k in sorted(required):
-            if k not in data:
-                key = f"{prefix}.{k}" if prefix else k
-                raise SpecError(self.path, self.lines.get(prefix), key, "required key is missing")
-        return data
-
-    def integer(self, data, key, full, default=None, minimum=None):
-        if key not in data:
-            return default
-        v = data[key]
-        if isinstance(v, bool) or not isinstance(v, int) or (minimum is not None and v < minimum):
-            bound = f" >= {minimum}" if minimum is not None else ""
-            return self.note(full, f"expected an integer{bound}, got {v!r}", default)
-        return v
-
-    def number(self, data, key, full, default=None, minimum=None):
-        if key not in data:
-            return default
-        v = data[key]
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or (
-            minimum is not None and v < minimum
-        ):
-            bound = f" >= {minimum}" if minimum is not None else ""
-            return self.note(full, f"expected a number{bound}, got {v!r}", default)
-        return float(v)
-
-    def strings(self, data, key, full, default=()):
-        if key not in data:
-            return default
-        v = data[key]
-        if not isinstance(v, list) or not all(isinstance(x, str) and x for x in v):
-            return self.note(full, f"expected a list of strings, got {v!r}", default)
-        return tuple(v)
-
-    def string(self, data, key, full, default=None, choices=None):
-        if key not in data:
-            return default
-        v = data[key]
-        if choices and (not isinstance(v, str) or v not in choices):
-            return self.note(full, f"expected one of {', '.join(choices)}, got {v!r}", default)
-        if not isinstance(v, str) or not v.strip():
-            return self.note(full, f"expected a non-empty string, got {v!r}", default)
-        if choices and v not in choices:
-            return self.note(full, f"expected one of {', '.join(choices)}, got {v!r}", default)
-        return v
-
-    def boolean(self, data, key, full, default=False):
-        if key not in data:
-            return default
-        if not isinstance(data[key], bool):
-            return self.note(full, f"expected true or false, got {data[key]!r}", default)
-        return data[key]
-
-    def factory(self, data, key) -> Factory:
-        return self.factory_value(data[key], key)
-
-    def factory_value(self, v, key) -> Factory:
-        args: dict = {}
-        target = v
-        if isinstance(v, dict):
-            self.mapping(v, key, {"factory", "args"}, {"factory"})
-            target = v["factory"]
-            args = v.get("args") or {}
-            if not isinstance(args, dict):
-                self.fail(f"{key}.args", f"expected a mapping of keyword arguments, got {args!r}")
-            key = f"{key}.factory"
-        if not isinstance(target, str) or not _FACTORY_RE.match(target):
-            self.fail(key, f"expected 'module:function' (e.g. my_job:build_model), got {target!r}")
-        return Factory(target, dict(args))
-
-
 # Each default is declared once, on its dataclass field; the loader reads it from there.
 _RS, _CK, _RC, _CL = RestartSpec(), CheckpointSpec(), RecoverySpec(), CrashLoopSpec()
 _TB, _CM = TensorBoardSpec(), CompileSpec()
@@ -168,30 +66,12 @@ _JOB = {f.name: f.default for f in dataclasses.fields(JobSpec)
         if f.default is not dataclasses.MISSING}
 
 
-def _keys(cls, nested=(), internal=()) -> set:
-    """A section's keys, from its dataclass's fields: a field ``<n>`` or ``<n>_<key>`` with
-    ``n`` in ``nested`` is read from the section's mapping ``<n>: {...}`` (``backoff_max`` from
-    ``backoff: {max: ...}``); ``internal`` fields are filled by ``load``, never written."""
-    keys = set()
-    for f in dataclasses.fields(cls):
-        if f.name not in internal:
-            keys.add(next((n for n in nested if f.name == n or f.name.startswith(n + "_")),
-                          f.name))
-    return keys
-
-
-def _subkeys(cls, nested: str) -> set:
-    """The keys of a nested mapping: ``backoff: {initial, max, ...}`` from ``backoff_*``."""
-    return {f.name[len(nested) + 1:] for f in dataclasses.fields(cls)
-            if f.name.startswith(nested + "_")}
-
-
 # job_path and job_dir say where the job file is, not what it says: load fills them.
-TOP_KEYS = _keys(JobSpec, internal=("job_path", "job_dir"))
-RECOVERY_KEYS = _keys(RecoverySpec, nested=("wait",))
+TOP_KEYS = keys(JobSpec, internal=("job_path", "job_dir"))
+RECOVERY_KEYS = keys(RecoverySpec, nested=("wait",))
 
 
-def _ladder(r: _Reader, value, key: str) -> tuple:
+def _ladder(r: Reader, value, key: str) -> tuple:
     """``[restart, {reinit_accelerator: 2}, {restart: budget}]`` -> Rungs."""
     if not isinstance(value, list):
         r.fail(key, f"expected a list of actions (e.g. [restart, {{halve_batch: 2}}]), "
@@ -210,14 +90,14 @@ def _ladder(r: _Reader, value, key: str) -> tuple:
     return tuple(rungs)
 
 
-def _recovery(r: _Reader, data) -> RecoverySpec:
+def _recovery(r: Reader, data) -> RecoverySpec:
     c = r.mapping(data, "recovery", RECOVERY_KEYS)
     ladders = ()
     if "ladders" in c:
         lad = r.mapping(c["ladders"], "recovery.ladders", set(KINDS))
         ladders = tuple((k, _ladder(r, v, f"recovery.ladders.{k}")) for k, v in lad.items())
-    w = r.mapping(c.get("wait", {}), "recovery.wait", _subkeys(RecoverySpec, "wait"))
-    cl = r.mapping(c.get("crash_loop", {}), "recovery.crash_loop", _keys(CrashLoopSpec))
+    w = r.mapping(c.get("wait", {}), "recovery.wait", subkeys(RecoverySpec, "wait"))
+    cl = r.mapping(c.get("crash_loop", {}), "recovery.crash_loop", keys(CrashLoopSpec))
     return RecoverySpec(
         ladders=ladders,
         reinstall_tensorflow=r.boolean(c, "reinstall_tensorflow", "recovery.reinstall_tensorflow",
@@ -244,10 +124,10 @@ def _recovery(r: _Reader, data) -> RecoverySpec:
                                     _CL.window_minutes, 0)),
     )
 
-_SCHEDULE_KEYS = {name: _keys(cls) for name, cls in SCHEDULE_PARAMS.items()}
+_SCHEDULE_KEYS = {name: keys(cls) for name, cls in SCHEDULE_PARAMS.items()}
 
 
-def _learning_rate(r: _Reader, v) -> LearningRateSpec:
+def _learning_rate(r: Reader, v) -> LearningRateSpec:
     """``learning_rate: module:function``, ``{factory, args}`` or ``{schedule: NAME, ...}``."""
     key = "learning_rate"
     if isinstance(v, str) or (isinstance(v, dict) and "factory" in v):
@@ -286,7 +166,7 @@ def _learning_rate(r: _Reader, v) -> LearningRateSpec:
     return LearningRateSpec(schedule=name, params=p)
 
 
-def _callbacks(r: _Reader, v) -> tuple:
+def _callbacks(r: Reader, v) -> tuple:
     """A list of ``NAME: {args}`` built-ins, ``module:function`` or ``{factory, args}``."""
     if not isinstance(v, list):
         r.fail("callbacks", f"expected a list, e.g. [{{early_stopping: {{patience: 3}}}}, "
@@ -344,7 +224,7 @@ def load_mapping(data, path: str, run_dir: str | None = None, lines=None,
                  backend: str | None = None) -> JobSpec:
     """Validate a job given as a mapping (what the YAML of a job file holds), every mistake at
     once, named by ``path`` (the file, or the call that gave the mapping) and the key."""
-    r = _Reader(path, lines or {})
+    r = Reader(path, lines or {})
     try:
         spec = _read(r, data, path, run_dir, backend)
     except SpecError as exc:
@@ -358,7 +238,7 @@ def load_mapping(data, path: str, run_dir: str | None = None, lines=None,
     return spec
 
 
-def _read(r: _Reader, data: dict, path: str, run_dir: str | None,
+def _read(r: Reader, data: dict, path: str, run_dir: str | None,
           backend: str | None = None) -> JobSpec:
     r.mapping(data, "", TOP_KEYS, {"name", "model", "data", "epochs", "batch_size"})
 
@@ -370,7 +250,7 @@ def _read(r: _Reader, data: dict, path: str, run_dir: str | None,
     if "compile" in data:
         # no loss: a model whose train_step or compute_loss computes its own (a VAE); Keras's
         # own train_step without one is named before training (train/jobcode.first_step)
-        c = r.mapping(data["compile"], "compile", _keys(CompileSpec))
+        c = r.mapping(data["compile"], "compile", keys(CompileSpec))
         opt = c.get("optimizer", _CM.optimizer)
         if not isinstance(opt, (str, dict)):
             r.fail("compile.optimizer", f"expected a name like 'adam' or a mapping "
@@ -392,10 +272,10 @@ def _read(r: _Reader, data: dict, path: str, run_dir: str | None,
 
     restarts = RestartSpec()
     if "restarts" in data:
-        c = r.mapping(data["restarts"], "restarts", _keys(RestartSpec, nested=("backoff",)))
+        c = r.mapping(data["restarts"], "restarts", keys(RestartSpec, nested=("backoff",)))
         b = {}
         if "backoff" in c:
-            b = r.mapping(c["backoff"], "restarts.backoff", _subkeys(RestartSpec, "backoff"))
+            b = r.mapping(c["backoff"], "restarts.backoff", subkeys(RestartSpec, "backoff"))
         restarts = RestartSpec(
             max=r.integer(c, "max", "restarts.max", _RS.max, 0),
             preemptions=r.integer(c, "preemptions", "restarts.preemptions", _RS.preemptions, 0),
@@ -446,7 +326,7 @@ def _read(r: _Reader, data: dict, path: str, run_dir: str | None,
     )
 
 
-def _backend(r: _Reader, data: dict, override: str | None) -> str:
+def _backend(r: Reader, data: dict, override: str | None) -> str:
     """``backend: auto | tensorflow | jax``, resolved here (core/backends.py: from the
     environment and what is installed, importing nothing), so that the spec, its training hash
     and the run say which backend trains, never "auto"."""
@@ -457,7 +337,7 @@ def _backend(r: _Reader, data: dict, override: str | None) -> str:
     return resolve_backend(requested)[0]
 
 
-def _code(r: _Reader, data: dict) -> CodeSpec | None:
+def _code(r: Reader, data: dict) -> CodeSpec | None:
     """``code: {file, sha256, fingerprint}``, written by ``orchestrator.run(model=fn, ...)``
     into the frozen job; required exactly when a factory names ``__cell__:function``."""
     def names_cell(v) -> bool:
@@ -473,7 +353,7 @@ def _code(r: _Reader, data: dict) -> CodeSpec | None:
             r.note(k, f"'{CELL_MODULE}:...' names a function carried by orchestrator.run("
                       f"{k}=function), but the job has no 'code' section naming its file")
         return None
-    c = r.mapping(data["code"], "code", _keys(CodeSpec), {"file", "sha256"})
+    c = r.mapping(data["code"], "code", keys(CodeSpec), {"file", "sha256"})
     file = r.string(c, "file", "code.file")
     if file and (os.path.basename(file) != file or file.startswith(".")):
         r.note("code.file", f"expected a file name next to the job file, got {file!r}")
@@ -486,7 +366,7 @@ def _code(r: _Reader, data: dict) -> CodeSpec | None:
     return CodeSpec(file=file or CodeSpec.file, **digests)
 
 
-def _tensorboard(r: _Reader, v, run_dir: str) -> TensorBoardSpec | None:
+def _tensorboard(r: Reader, v, run_dir: str) -> TensorBoardSpec | None:
     """``tensorboard: false | true | PATH | {dir: PATH, every_steps: N}``; a relative PATH is
     in the run directory, so that the logs travel with the run (a Drive folder)."""
     from orchestrator.core.rundir import TENSORBOARD_DIR
@@ -497,7 +377,7 @@ def _tensorboard(r: _Reader, v, run_dir: str) -> TensorBoardSpec | None:
     if not isinstance(c, dict):
         r.fail("tensorboard", f"expected true, false, a log directory or a mapping "
                f"{{dir: PATH, every_steps: N}}, got {v!r}")
-    r.mapping(c, "tensorboard", _keys(TensorBoardSpec))
+    r.mapping(c, "tensorboard", keys(TensorBoardSpec))
     d = r.string(c, "dir", "tensorboard" if isinstance(v, str) else "tensorboard.dir",
                  TENSORBOARD_DIR)
     return TensorBoardSpec(
@@ -505,10 +385,10 @@ def _tensorboard(r: _Reader, v, run_dir: str) -> TensorBoardSpec | None:
         every_steps=r.integer(c, "every_steps", "tensorboard.every_steps", _TB.every_steps, 0))
 
 
-CHECKPOINT_KEYS = _keys(CheckpointSpec, nested=("upload_backoff", "keep_best"))
+CHECKPOINT_KEYS = keys(CheckpointSpec, nested=("upload_backoff", "keep_best"))
 
 
-def _checkpoint_spec(r: _Reader, c, name: str, run_dir: str) -> CheckpointSpec:
+def _checkpoint_spec(r: Reader, c, name: str, run_dir: str) -> CheckpointSpec:
     from orchestrator.core.rundir import default_local_dir
 
     r.mapping(c, "checkpoint", CHECKPOINT_KEYS)
@@ -530,7 +410,7 @@ def _checkpoint_spec(r: _Reader, c, name: str, run_dir: str) -> CheckpointSpec:
     b = {}
     if "upload_backoff" in c:
         b = r.mapping(c["upload_backoff"], "checkpoint.upload_backoff",
-                      _subkeys(CheckpointSpec, "upload_backoff"))
+                      subkeys(CheckpointSpec, "upload_backoff"))
     return CheckpointSpec(
         every_epochs=r.integer(c, "every_epochs", "checkpoint.every_epochs", _CK.every_epochs, 1),
         keep=r.integer(c, "keep", "checkpoint.keep", _CK.keep, 1),
@@ -552,7 +432,7 @@ def _checkpoint_spec(r: _Reader, c, name: str, run_dir: str) -> CheckpointSpec:
     )
 
 
-def _resources(r: _Reader, data) -> tuple:
+def _resources(r: Reader, data) -> tuple:
     """``worker_resources: {CPU: 1, GPU: 1}``: what Ray reserves for each worker."""
     if "worker_resources" not in data:
         return _JOB["worker_resources"]

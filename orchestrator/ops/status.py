@@ -20,7 +20,7 @@ from orchestrator.core.osutil import read_json
 from orchestrator.core.rundir import RunDir
 from orchestrator.core.spec import SpecError
 from orchestrator.core.specload import load
-from orchestrator.core.events import Event
+from orchestrator.core.events import CHECKPOINTS, OUTAGE_EVENTS, RUN_DIR, Event
 
 
 def load_run(run_dir: str):
@@ -63,8 +63,7 @@ def run_status(run_dir: str, now: float | None = None) -> dict:
         local_latest = None
     latest = max((c for c in (local_latest, durable_latest) if c), key=lambda c: c.step,
                  default=None)
-    tier_event = next((e for e in reversed(events)
-                       if e["event"] in (Event.DURABLE_UNREACHABLE, Event.DURABLE_RESTORED)), None)
+    durable_down = (outages(events, now, CHECKPOINTS) or [{}])[-1]
     last = tl.sessions[-1].how if tl.sessions else "ended"
     state = {"running": "running", "completed": "completed", "failed": "failed"}.get(
         last, "stopped")  # stopped: interrupted or stopped; `run` resumes it
@@ -101,8 +100,8 @@ def run_status(run_dir: str, now: float | None = None) -> dict:
         "runtimes": [h.record(now) for h in hosts.hosts(outer)],
         "last_checkpoint": _checkpoint(latest),
         "checkpoints_by_tier": _tiers(events, durable_latest, local_latest),
-        "durable_unreachable_since": (tier_event["ts"] if running and tier_event and
-                                      tier_event["event"] == Event.DURABLE_UNREACHABLE else None),
+        "durable_unreachable_since": (durable_down["since"] if running and
+                                      durable_down.get("ongoing") else None),
         "durable_error": durable_error,
         "run_dir_outages": outages(events, now),
         "workers": next((e.get("workers") for e in reversed(events)
@@ -140,18 +139,21 @@ def _budgets(events: list[dict]) -> dict | None:
     return budgets
 
 
-def outages(events: list[dict], now: float) -> list[dict]:
-    """Each time the run directory stopped answering: since when, for how long, what was held
-    back on the local disk meanwhile, and whether the worker was paused (the lock's lease)."""
+def outages(events: list[dict], now: float, part: str = RUN_DIR) -> list[dict]:
+    """Each time ``part`` of the run directory stopped answering (core/outage.py; the run
+    directory itself by default, or its checkpoints folder): since when, for how long, what was
+    held back on the local disk meanwhile, and whether the worker was paused (the lock's
+    lease). Its pair of events is ``OUTAGE_EVENTS[part]``."""
+    down, back = OUTAGE_EVENTS[part]
     out: list[dict] = []
     for e in events:
-        if e["event"] == Event.RUN_DIR_UNREACHABLE:
+        if e["event"] == down:
             out.append({"since": e["ts"], "outage_s": None, "ongoing": True,
                         "error": e.get("error"), "held_back": None, "paused_s": None})
-        elif out and e["event"] == Event.RUN_DIR_RESTORED and out[-1]["ongoing"]:
-            out[-1].update(outage_s=e.get("outage_s"), ongoing=False,
+        elif out and e["event"] == back and out[-1]["ongoing"]:
+            out[-1].update(outage_s=e.get("outage_s", e.get("down_s")), ongoing=False,
                            held_back=e.get("held_back"))
-        elif out and e["event"] == Event.WORKER_RESUMED:
+        elif out and e["event"] == Event.WORKER_RESUMED and part == RUN_DIR:
             out[-1]["paused_s"] = e.get("paused_s")
     for o in out:
         if o["ongoing"]:

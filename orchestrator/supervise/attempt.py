@@ -1,48 +1,57 @@
-"""One attempt's mechanics: spawn the worker, wait on its events, stop it, kill its group.
+"""One attempt's mechanics: spawn its workers, wait on their events, stop them, kill their groups.
 
-The supervisor decides *whether* and *when* to run an attempt; this module only runs it. An
-attempt goes through named phases (``Phase``): spawned in its own process group (so a stop
-reaches its data-loader children too), then waited on through one queue fed by a waiting
-thread (the exit is noticed at once), watchdog events (committed checkpoints, heartbeats) and
-periodic ``Every`` ticks; a worker that stays silent past the hang clock is dumped, stopped and
-reported with its heartbeat age. What comes back is an ``Outcome``: exit status, duration, hang
-age and the worker's own error record. Nothing here classifies or recovers.
+The supervisor decides *whether* and *when* to run an attempt; this module only runs it. As
+torch elastic's ``WorkerGroup``, an attempt is a group of workers whether it holds one or many:
+each a ``Member`` (group.py), each spawned in its own process group (so a stop reaches its
+data-loader children too), waited on through one queue fed by a thread per process (the exit
+is noticed at once), watchdog events (committed checkpoints, heartbeats) and periodic
+``Every`` ticks. A worker that stays silent past the hang clock is dumped, stopped and
+reported with its heartbeat age. What comes back is an ``Outcome``: exit status, duration,
+hang age and the worker's own error record. Nothing here classifies or recovers.
 
-The queue is the supervisor's, not the attempt's, so the standby (standby.py) feeds its exit
-to the same queue: once promoted, its process is this attempt's (``adopt``).
+Several workers fail as one (MultiWorkerMirroredStrategy cannot go on without a peer: its
+health check aborts the collectives, or a survivor stays blocked in an all-reduce):
+
+- the first rank that exits non-zero (or is lost with its Ray node) names the failure: its exit
+  status, error record and log are the attempt's, classified as a single worker's would be;
+- every other rank is stopped at once (its whole process group), so no survivor stays blocked;
+- a hang is rank 0's heartbeat going silent: a rank stuck in a collective stalls rank 0's step
+  too, and a stuck rank 0 is itself silent;
+- the group succeeds when every rank exits 0.
+
+A group is placed by an engine (group.LocalEngine, rayengine.RayEngine) and journaled rank by
+rank; one worker is spawned here, without placement, and is the one whose memory cgroup the
+OOM evidence reads. The standby (standby.py) is the attempt's companion: at the start its
+process may be this attempt (promoted: its exit is already on the same queue), once the worker
+trains the next one is started behind it, and its own exit is told to it.
 """
 from __future__ import annotations
 
-import enum
+import json
 import os
 import queue
 import signal
 import subprocess
-import threading
 import time
 from dataclasses import dataclass
 from typing import Callable
 
 from orchestrator.core import heartbeat
 from orchestrator.core.events import Event
-from orchestrator.core.journal import Journal
 from orchestrator.core.osutil import read_json
-from orchestrator.core.procid import ProcessIdentity, is_running, signal_proven
+from orchestrator.core.rundir import RunDir
+from orchestrator.core.spec import JobSpec
 from orchestrator.recovery import oom
 from orchestrator.recovery.failures import signal_name
-from orchestrator.supervise.hangs import HangClock, dump_stacks
+from orchestrator.supervise.group import (STACK_DUMP_WAIT_S, EngineUnavailable, LocalEngine,
+                                         Member)
+from orchestrator.supervise.hangs import dump_stacks
 from orchestrator.supervise.messages import Beat, Committed, Exited, Stop, Tick
+from orchestrator.supervise.procs import identity_record
 
 
 class Stopped(Exception):
     """The supervisor was asked to stop (SIGTERM, SIGINT or KeyboardInterrupt)."""
-
-
-class Phase(enum.Enum):
-    NEW = "new"
-    RUNNING = "running"        # spawned; its heartbeat and checkpoints are watched
-    STOPPING = "stopping"      # hung: stacks dumped, SIGTERM sent, grace running
-    EXITED = "exited"
 
 
 @dataclass(frozen=True)
@@ -86,51 +95,95 @@ class Every:
 
 
 class Attempt:
-    def __init__(self, n: int, cmd: list[str], env: dict, cwd: str, log: str,
-                 events: queue.Queue, hang: HangClock, journal: Journal, say,
-                 error_record: str, stop_grace: float):
-        self.n, self.cmd, self.env, self.cwd, self.log = n, cmd, env, cwd, log
-        self.events, self.hang, self.journal, self.say = events, hang, journal, say
-        self.error_record, self.stop_grace = error_record, stop_grace
-        self.proc: subprocess.Popen | None = None
-        self.phase = Phase.NEW
+    def __init__(self, n: int, cmd: list[str], env: dict, *, spec: JobSpec, rd: RunDir, slot,
+                 journal, say, standby, engine=None):
+        """Attempt ``n`` of ``spec``'s run: ``cmd`` in ``env`` for each worker. ``slot``: the
+        worker slot (its queue, its hang clock); ``engine``: who places a group (None: one
+        worker, spawned here); ``standby``: the standby keeper, whose process may be it."""
+        self.n, self.cmd, self.env, self.rd = n, cmd, env, rd
+        self.cwd, self.stop_grace = spec.job_dir, spec.stop_grace
+        self.events, self.hang, self.journal, self.say = slot.events, slot.hang, journal, say
+        self.group = engine is not None
+        self.engine = engine if self.group else LocalEngine()
+        self.size = spec.workers if self.group else 1
+        self.standby = standby
+        self.log, self.error_record = rd.attempt_log(n), rd.error_record(n)
+        self.members: list[Member] = []
+        self.failed: Member | None = None
+        self.proc: subprocess.Popen | None = None  # rank 0's process, where it runs here
         self.t0 = 0.0
+        self._cgroups: list = []
+        self._oom_before: dict = {}
 
-    def start(self, from_epoch: int, path: dict | None = None) -> None:
-        """Spawn the worker. ``path``: how this attempt started, journaled with
-        ``attempt_started`` (a cold start, and why it was not a promoted standby)."""
+    # ------------------------------------------------------------------ start
+    def start(self, from_epoch: int) -> None:
+        """Its workers running: the standby's process when it may be this attempt, else new
+        ones (a group's placed by its engine). ``attempt_started`` says which (``path``: the
+        promoted standby's mode, or ``cold`` and why)."""
         self.t0 = time.time()
-        self.proc = spawn(self.cmd, self.env, self.cwd, self.log)
+        promoted, path = self.standby.promote(self.n, self.env)
+        if promoted is not None:
+            self.members = [Member(0, os.uname().nodename, self.log, self.error_record,
+                                   pid=promoted.pid, handle=promoted,
+                                   identity=identity_record(promoted))]
+        elif self.group:
+            places = self._place()
+            cluster = {"worker": [addr for _, addr in places]}
+            for rank, (host, _) in enumerate(places):
+                m = Member(rank, host, self.rd.attempt_log(self.n, rank),
+                           self.rd.error_record(self.n, rank))
+                env = dict(self.env, TF_CONFIG=json.dumps(
+                    {"cluster": cluster, "task": {"type": "worker", "index": rank}}))
+                self.engine.spawn(m, self.cmd, env, self.cwd, self.events)
+                self.members.append(m)
+        else:
+            m = Member(0, os.uname().nodename, self.log, self.error_record)
+            self.engine.spawn(m, self.cmd, self.env, self.cwd, self.events)
+            self.members = [m]
         self._running(from_epoch, path)
-        watch_exit(self.proc, self.events, self.proc, f"wait-attempt-{self.n}")
 
-    def adopt(self, proc: subprocess.Popen, from_epoch: int, path: dict) -> None:
-        """A promoted standby (supervise/standby.py) is this attempt: its process is already
-        running, in its own group, its exit already fed to the same queue."""
-        self.t0 = time.time()
-        self.proc = proc
-        self._running(from_epoch, path)
+    def _place(self) -> list[tuple[str, str]]:
+        """The engine places the ranks; the wait is journaled before (with its bound) and
+        after (how long it took, or why it failed), so that a wait for resources is seen."""
+        where = dict(attempt=self.n, engine=self.engine.name, workers=self.size)
+        self.journal.append(Event.GROUP_PLACING, **where,
+                            timeout_s=self.engine.placement_timeout())
+        t0 = time.monotonic()
+        try:
+            places = self.engine.open(self.size)
+        except EngineUnavailable as exc:
+            self.journal.append(Event.GROUP_PLACED, **where, placed=False,
+                                wait_s=round(time.monotonic() - t0, 3), reason=str(exc))
+            raise
+        self.journal.append(Event.GROUP_PLACED, **where, placed=True,
+                            wait_s=round(time.monotonic() - t0, 3),
+                            hosts=[host for host, _ in places],
+                            addresses=[address for _, address in places])
+        return places
 
     def _running(self, from_epoch: int, path: dict | None) -> None:
-        proc = self.proc
-        self.phase = Phase.RUNNING
-        self._cgroups = oom.memory_cgroups(proc.pid)
-        self._oom_before = oom.snapshot(self._cgroups)
+        chief = self.members[0]
+        self.proc = chief.handle if isinstance(chief.handle, subprocess.Popen) else None
+        if not self.group:  # a rank's memory cgroup is its node's: not read from here
+            self._cgroups = oom.memory_cgroups(chief.pid)
+            self._oom_before = oom.snapshot(self._cgroups)
         self.hang.start(self.n)
-        self.journal.append(Event.ATTEMPT_STARTED, attempt=self.n, pid=proc.pid,
-                            host=os.uname().nodename, identity=identity_record(proc),
-                            from_epoch=from_epoch, log=self.log, **(path or {}))
+        ranks = dict(engine=self.engine.name,
+                     workers=[m.describe(identity=True) for m in self.members]) \
+            if self.group else {}
+        self.journal.append(Event.ATTEMPT_STARTED, attempt=self.n, pid=chief.pid,
+                            host=chief.host, identity=chief.identity, from_epoch=from_epoch,
+                            log=self.log, **ranks, **(path or {}))
 
-    def wait(self, on_checkpoint: Callable[[], None], duties: list[Every],
-             on_training: Callable[[], None] | None = None,
-             on_other_exit: Callable[[object, int], None] | None = None) -> Outcome:
-        """Until the worker exits (or is stopped as hung). Raises ``Stopped`` on a stop.
-        ``on_training``: once, at its first heartbeat after a training step (a standby may
-        start then: the worker's start-up and first-step tracing are over);
-        ``on_other_exit(proc, rc)``: another process on the queue exited (the standby)."""
+    # ------------------------------------------------------------------ wait
+    def wait(self, on_checkpoint: Callable[[], None], duties: list[Every]) -> Outcome:
+        """Until the workers exit (or are stopped as hung). Raises ``Stopped`` on a stop.
+        At the first heartbeat after a training step the standby for the next attempt may
+        start (the worker's start-up and first-step tracing are over); another process's exit
+        on the queue is the standby's to hear."""
         for d in duties:
             d.arm()
-        hang_age = None
+        hang_age, training = None, False
         while True:
             due = min([d.due for d in duties], default=time.monotonic() + 60.0)
             timeout = min(due - time.monotonic(), self.hang.remaining())
@@ -145,11 +198,11 @@ class Attempt:
                 on_checkpoint()
             elif isinstance(item, Beat):
                 self.hang.beat()
-                if self.hang.stepped and on_training is not None:
-                    on_training()
-                    on_training = None
-            elif isinstance(item, Exited) and on_other_exit is not None:
-                on_other_exit(item.key, item.code)
+                if self.hang.stepped and not training:
+                    training = True
+                    self.standby.start(self.n + 1)
+            elif isinstance(item, Exited):
+                self.standby.exited(item.key, item.code, self.n + 1)
             elif isinstance(item, Stop):
                 raise Stopped()
             if self.hang.remaining() <= 0:
@@ -159,148 +212,97 @@ class Attempt:
             now = time.monotonic()
             for d in duties:
                 d.maybe(now)
-        self.phase = Phase.EXITED
         error = read_json(self.error_record)
         if error is not None and error.get("attempt") != self.n:
             error = None  # an earlier attempt's record
         return Outcome(self.n, rc, time.time() - self.t0, hang_age, error, self.log,
                        self._oom_evidence(rc) if hang_age is None else None)
 
+    def _member(self, item) -> Member | None:
+        """The member whose exit ``item`` is (a promoted standby's is keyed by its process)."""
+        if isinstance(item, Exited):
+            return next((m for m in self.members if item.key is m or item.key is m.handle),
+                        None)
+        return None
+
     def _exited(self, item) -> int | None:
-        """The attempt's exit status when ``item`` ends it (a group waits for all, or the
-        first that fails: supervise/group.py)."""
-        return item.code if isinstance(item, Exited) and item.key is self.proc else None
+        """The attempt's exit status when ``item`` ends it: the first member that fails (the
+        others are stopped), or the last to exit."""
+        m = self._member(item)
+        if m is None:
+            return None
+        m.exit_code = rc = item.code
+        if rc != 0 and self.failed is None:
+            self.failed = m
+            self.log, self.error_record = m.log, m.error_record  # the group's failure
+            if self.group:
+                self.journal.append(Event.GROUP_MEMBER_FAILED, attempt=self.n, rank=m.rank,
+                                    exit_code=rc, host=m.host,
+                                    stopping=[x.rank for x in self.members
+                                              if x.exit_code is None])
+            self.stop(grace=0.0)
+            return self._wait_stopped()
+        if all(x.exit_code is not None for x in self.members):
+            return next((x.exit_code for x in self.members if x.exit_code), 0)
+        return None
+
+    def _wait_stopped(self) -> int:
+        """After ``stop``: the exit status, once every member is gone."""
+        while any(x.exit_code is None for x in self.members):
+            item = self.events.get()
+            m = self._member(item)
+            if m is not None:
+                m.exit_code = item.code
+        rcs = [m.exit_code for m in self.members]
+        return self.failed.exit_code if self.failed else next((rc for rc in rcs if rc), 0)
 
     def _oom_evidence(self, rc: int) -> str | None:
-        if rc != -signal.SIGKILL:
+        if self.group or rc != -signal.SIGKILL:
             return None
         beat = heartbeat.read(self.hang.run_dir) or {}
         rss = beat.get("rss") if beat.get("attempt") == self.n else None
-        return oom.evidence(self._oom_before, oom.snapshot(self._cgroups), self.proc.pid, rss)
+        pid = self.members[0].pid
+        return oom.evidence(self._oom_before, oom.snapshot(self._cgroups), pid, rss)
 
     def _stop_hung(self, age: float) -> int:
-        """Stack dump of every thread into the attempt log, then SIGKILL the group at once.
+        """Stack dumps into the logs, then SIGKILL every group at once: one worker's dump is
+        awaited in its log; a group's ranks (rank 0 silent) each dump into their own log,
+        which shows the rank that is stuck.
 
         No SIGTERM grace: the worker answers SIGTERM at its next step boundary
         (train/preemption.py), which a hung main thread never reaches; measured, the grace
         added the whole ``stop_grace`` (10 s) to every hang recovery."""
-        self.phase = Phase.STOPPING
-        proc = self.proc
+        chief = self.members[0]
+        self.log, self.error_record = chief.log, chief.error_record
+        ranks = dict(workers=[m.describe() for m in self.members]) if self.group else {}
         self.journal.append(Event.HANG_DETECTED, attempt=self.n,
                             last_heartbeat_age_s=round(age, 3), timeout_s=self.hang.timeout,
-                            pid=proc.pid)
-        self.say(f"attempt {self.n}: no heartbeat for {age:.1f} s (limit {self.hang.timeout:g} s):"
-                 f" dumping its stacks into {self.log} and stopping it")
-        dump_stacks(proc.pid, self.log)
+                            pid=chief.pid, **ranks)
+        if self.group:
+            self.say(f"attempt {self.n}: no heartbeat from rank 0 for {age:.1f} s (limit "
+                     f"{self.hang.timeout:g} s): dumping every rank's stacks into its log and "
+                     f"stopping the group")
+            self.signal(heartbeat.STACK_DUMP_SIGNAL)
+            time.sleep(STACK_DUMP_WAIT_S)
+        else:
+            self.say(f"attempt {self.n}: no heartbeat for {age:.1f} s (limit "
+                     f"{self.hang.timeout:g} s): dumping its stacks into {self.log} and "
+                     f"stopping it")
+            dump_stacks(chief.pid, self.log)
         self.stop(grace=0.0)
         return self._wait_stopped()
 
-    def _wait_stopped(self) -> int:
-        """After ``stop``: the exit status, once the process is gone."""
-        while True:
-            item = self.events.get()
-            if isinstance(item, Exited) and item.key is self.proc:
-                return item.code
-
+    # ------------------------------------------------------------------ signals
     def signal(self, sig: int) -> None:
-        """Send ``sig`` to the worker's whole process group (SIGSTOP/SIGCONT: the lease)."""
-        if self.proc is not None:
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                pass  # it has just exited: its exit is on the queue
+        """Send ``sig`` to every live worker's process group (SIGSTOP/SIGCONT: the lease)."""
+        for m in self.members:
+            if m.exit_code is None:
+                self.engine.signal(m, sig)
 
     def stop(self, grace: float | None = None) -> None:
-        """SIGTERM the worker's process group, wait ``grace``, then SIGKILL what is left of it
-        (data-loader processes that ignore SIGTERM too)."""
-        if self.proc is not None:
-            kill_group(self.proc, self.stop_grace if grace is None else grace)
-
-
-# How long a spawn waits for the kernel to show the new program's command line (core/procid.py);
-# it shows within a millisecond or two, the bound is for a machine under load.
-SETTLE_S = 1.0
-
-
-class Spawned(subprocess.Popen):
-    """A process we started, with its identity taken at once (core/procid.py): journaled
-    beside its pid, so that a later supervisor signals that pid only while it is still this
-    process."""
-
-    def __init__(self, *args, **kw):
-        super().__init__(*args, **kw)
-        self.identity = ProcessIdentity.of(self.pid, settle_s=SETTLE_S)
-
-
-def identity_record(proc) -> dict | None:
-    """What the journal keeps beside ``proc``'s pid to know it again (None: not provable)."""
-    identity = getattr(proc, "identity", None)
-    return identity.record() if identity is not None else None
-
-
-def spawn(cmd: list[str], env: dict, cwd: str, log: str,
-          stdin=subprocess.DEVNULL) -> Spawned:
-    """A worker process in its own process group (so a stop reaches its data-loader children
-    too), its output appended to ``log``: an attempt's, a standby's, a group's rank."""
-    with open(log, "ab") as out:
-        return Spawned(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=stdin,
-                       start_new_session=True, env=env, cwd=cwd)
-
-
-def watch_exit(proc: subprocess.Popen, events: queue.Queue, key, name: str) -> None:
-    """Put ``Exited(key, status)`` on the supervisor's queue the moment ``proc`` exits."""
-    threading.Thread(target=lambda: events.put(Exited(key, proc.wait())), name=name,
-                     daemon=True).start()
-
-
-def kill_group(proc: subprocess.Popen, grace: float) -> None:
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=grace)
-        except ProcessLookupError:
-            return
-        except subprocess.TimeoutExpired:
-            pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        return  # the whole group is gone
-
-
-def kill_orphans(events: list[dict], journal: Journal) -> None:
-    """Stop what a dead supervisor left running before we start: the workers of its unfinished
-    attempt (every rank of a group) and a standby it had not promoted or discarded. Each only
-    if its pid is provably still the process that was started (core/procid.py): by now the pid
-    may be anyone's. A pid that holds another process, or one we cannot prove, is left alone
-    and journaled with why; a pid nobody holds (or a zombie) is passed
-    over in silence."""
-    here = os.uname().nodename
-    for role, e in _left_running(events):
-        pid, host = e.get("pid"), e.get("host", here)
-        if not pid or (host == here and not is_running(pid)):
-            continue
-        where = dict(role, pid=pid)
-        if host != here:
-            journal.append(Event.PROCESS_LEFT_ALONE, **where, host=host,
-                           reason=f"it ran on host {host}, not this one ({here})")
-            continue
-        why = signal_proven(ProcessIdentity.from_record(pid, e.get("identity")), signal.SIGKILL)
-        if why is None:
-            journal.append(Event.ORPHAN_WORKER_KILLED, **where)
-        else:
-            journal.append(Event.PROCESS_LEFT_ALONE, **where, reason=why)
-
-
-def _left_running(events: list[dict]):
-    """(what it was, its journaled record) for each process a dead supervisor may have left:
-    ranks and single workers of attempts with no ``attempt_ended``, standbys with no end."""
-    ended = {e["attempt"] for e in events if e["event"] == Event.ATTEMPT_ENDED}
-    done = {Event.STANDBY_PROMOTED, Event.STANDBY_DISCARDED, Event.STANDBY_LOST}
-    standby_done = {e.get("pid") for e in events if e["event"] in done}
-    for e in events:
-        if e["event"] == Event.ATTEMPT_STARTED and e["attempt"] not in ended:
-            for w in e.get("workers") or [e]:
-                yield {"attempt": e["attempt"], "rank": w.get("rank", 0)}, w
-        elif e["event"] == Event.STANDBY_STARTED and e.get("pid") not in standby_done:
-            yield {"standby_for_attempt": e.get("for_attempt")}, e
+        """SIGTERM every live worker's process group, wait ``grace``, then SIGKILL what is
+        left of it (data-loader processes that ignore SIGTERM too)."""
+        g = self.stop_grace if grace is None else grace
+        for m in self.members:
+            if m.exit_code is None:
+                self.engine.kill(m, g)

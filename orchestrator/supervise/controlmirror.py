@@ -17,8 +17,9 @@ late) and, after an outage, delivers the backlog in order.
   journals hold the same events in the same order (a line is one event, with its timestamp: two
   equal lines are one event).
 
-Every failure is an ``OSError`` from the run directory: it goes to ``Outage``, which journals
-``run_dir_unreachable`` once and ``run_dir_restored`` (with what was held back) once.
+Every failure is an ``OSError`` from the run directory: it goes to the run's one ``Outage``
+(core/outage.py), which journals ``run_dir_unreachable`` once and ``run_dir_restored`` (with
+what was held back) once.
 """
 from __future__ import annotations
 
@@ -33,54 +34,15 @@ from tenacity import wait_exponential
 
 from orchestrator.core import heartbeat
 from orchestrator.core.clock import SYSTEM, Clock
-from orchestrator.core.events import Event
-from orchestrator.core.journal import Journal, append_lines
+from orchestrator.core.journal import append_lines
 from orchestrator.core.osutil import is_missing, write_atomic
+from orchestrator.core.outage import Outage
 from orchestrator.core.rundir import ATTEMPTS_DIR, FAULTS_DIR, JOURNAL_FILE, RunDir
 
 CONTROL_SYNC_S = 0.5
 # While the run directory is down, retry every 0.5 s growing to 5 s: a returning mount is seen
 # within 5 s, and a dead one costs one failing call every 5 s.
 RETRY_WAIT = wait_exponential(multiplier=CONTROL_SYNC_S, max=5.0)
-
-
-class Outage:
-    """Whether the run directory answers; each change journaled once (from any thread)."""
-
-    def __init__(self, journal: Journal, root: str, say: Callable[[str], None],
-                 clock: Clock = SYSTEM):
-        self.journal, self.root, self.say, self.clock = journal, root, say, clock
-        self.since: float | None = None
-        self.failures = 0
-        self._lock = threading.Lock()
-
-    @property
-    def down(self) -> bool:
-        return self.since is not None
-
-    def failed(self, exc: OSError, during: str) -> None:
-        with self._lock:
-            self.failures += 1
-            if self.since is not None:
-                return
-            self.since = self.clock.time()
-        self.journal.append(Event.RUN_DIR_UNREACHABLE, error=str(exc), errno=exc.errno,
-                            during=during)
-        self.say(f"the run directory {self.root} cannot be written ({exc}); training goes on, "
-                 f"its files are kept on the local disk until it is back")
-
-    def ok(self, held_back: dict | None = None) -> bool:
-        """The run directory answers; True when that ends an outage (journaled, with what
-        was ``held_back`` on the local disk when it came back)."""
-        with self._lock:
-            if self.since is None:
-                return False
-            since, self.since = self.since, None
-        outage = self.clock.time() - since
-        self.journal.append(Event.RUN_DIR_RESTORED, outage_s=round(outage, 3),
-                            down_since=round(since, 3), held_back=held_back or {})
-        self.say(f"the run directory is back after {outage:.0f} s")
-        return True
 
 
 def _complete_lines(data: bytes) -> bytes:

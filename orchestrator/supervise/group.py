@@ -1,38 +1,20 @@
-"""Several workers as one attempt: placed, given ``TF_CONFIG``, watched and stopped together.
+"""Where an attempt's workers run: a member per worker, and the engines that place a group.
 
-MultiWorkerMirroredStrategy cannot go on without a peer: its health check aborts the
-collectives with ``UnavailableError`` ("required to restart in order to recover"), and a
-survivor may instead stay blocked in an all-reduce. So the group fails as one:
-
-- the first rank that exits non-zero (or is lost with its Ray node) names the failure: its exit
-  status, error record and log are the attempt's, and the policy classifies it as it would a
-  single worker's (the failed worker's kind becomes the group's);
-- every other rank is stopped at once (its whole process group), so no survivor stays blocked;
-- a hang is rank 0's heartbeat going silent: a rank stuck in a collective stalls rank 0's step
-  too, and a stuck rank 0 is itself silent;
-- the group succeeds when every rank exits 0.
-
-Placement is an engine's: ``LocalEngine`` runs the ranks as processes here with a loopback
-``TF_CONFIG`` (tests, one large host); ``rayengine.RayEngine`` has Ray place them. Every rank
-restores the step the supervisor names (``ENV_RESTORE_STEP``): it must be in a tier every rank
-can read, which for ranks on other nodes means the run directory (the worker says so clearly
-when it cannot see it).
+An attempt (attempt.py) is a group of ``Member``s, one or many. One worker is spawned here by
+``LocalEngine`` without placement. Several are placed by an engine: ``LocalEngine`` runs the
+ranks as processes here with a loopback ``TF_CONFIG`` (tests, one large host);
+``rayengine.RayEngine`` has Ray place them. An engine spawns, signals and kills a member; how
+a group fails as one is the attempt's. Every rank restores the step the supervisor names
+(``ENV_RESTORE_STEP``): it must be in a tier every rank can read, which for ranks on other
+nodes means the run directory (the worker says so clearly when it cannot see it).
 """
 from __future__ import annotations
 
-import json
 import os
 import socket
-import subprocess
-import time
 from dataclasses import dataclass, field
 
-from orchestrator.core import heartbeat
-from orchestrator.core.events import Event
-from orchestrator.core.rundir import RunDir
-from orchestrator.supervise.attempt import (Attempt, Phase, identity_record, kill_group, spawn,
-                                             watch_exit)
-from orchestrator.supervise.messages import Exited
+from orchestrator.supervise.procs import identity_record, kill_group, spawn, watch_exit
 
 
 class EngineUnavailable(RuntimeError):
@@ -103,109 +85,3 @@ class LocalEngine:
 
     def close(self) -> None:
         """Nothing is held between attempts."""
-
-
-class GroupAttempt(Attempt):
-    def __init__(self, *args, engine, size: int, rd: RunDir, **kw):
-        super().__init__(*args, **kw)
-        self.engine, self.size, self.rd = engine, size, rd
-        self.members: list[Member] = []
-        self.failed: Member | None = None
-
-    def start(self, from_epoch: int, path: dict | None = None) -> None:
-        self.t0 = time.time()
-        places = self._place()
-        cluster = {"worker": [addr for _, addr in places]}
-        for rank, (host, _) in enumerate(places):
-            m = Member(rank, host, self.rd.attempt_log(self.n, rank),
-                       self.rd.error_record(self.n, rank))
-            env = dict(self.env, TF_CONFIG=json.dumps(
-                {"cluster": cluster, "task": {"type": "worker", "index": rank}}))
-            self.engine.spawn(m, self.cmd, env, self.cwd, self.events)
-            self.members.append(m)
-        chief = self.members[0]
-        self.proc = chief.handle if isinstance(chief.handle, subprocess.Popen) else None
-        self._cgroups, self._oom_before = [], {}
-        self.phase = Phase.RUNNING
-        self.hang.start(self.n)
-        self.journal.append(Event.ATTEMPT_STARTED, attempt=self.n, pid=chief.pid,
-                            host=chief.host, from_epoch=from_epoch, log=self.log,
-                            engine=self.engine.name, identity=chief.identity,
-                            workers=[m.describe(identity=True) for m in self.members],
-                            **(path or {}))
-
-    def _place(self) -> list[tuple[str, str]]:
-        """The engine places the ranks; the wait is journaled before (with its bound) and
-        after (how long it took, or why it failed), so that a wait for resources is seen."""
-        where = dict(attempt=self.n, engine=self.engine.name, workers=self.size)
-        self.journal.append(Event.GROUP_PLACING, **where,
-                            timeout_s=self.engine.placement_timeout())
-        t0 = time.monotonic()
-        try:
-            places = self.engine.open(self.size)
-        except EngineUnavailable as exc:
-            self.journal.append(Event.GROUP_PLACED, **where, placed=False,
-                                wait_s=round(time.monotonic() - t0, 3), reason=str(exc))
-            raise
-        self.journal.append(Event.GROUP_PLACED, **where, placed=True,
-                            wait_s=round(time.monotonic() - t0, 3),
-                            hosts=[host for host, _ in places],
-                            addresses=[address for _, address in places])
-        return places
-
-    def _exited(self, item) -> int | None:
-        if not isinstance(item, Exited) or item.key not in self.members:
-            return None
-        m, rc = item.key, item.code
-        m.exit_code = rc
-        if rc != 0 and self.failed is None:
-            self.failed = m
-            self.log, self.error_record = m.log, m.error_record  # the group's failure
-            self.journal.append(Event.GROUP_MEMBER_FAILED, attempt=self.n, rank=m.rank,
-                                exit_code=rc, host=m.host,
-                                stopping=[x.rank for x in self.members if x.exit_code is None])
-            self.stop(grace=0.0)
-            self._wait_stopped()
-            return rc
-        if all(x.exit_code is not None for x in self.members):
-            return next((x.exit_code for x in self.members if x.exit_code), 0)
-        return None
-
-    def _wait_stopped(self) -> int:
-        while any(x.exit_code is None for x in self.members):
-            item = self.events.get()
-            if isinstance(item, Exited) and item.key in self.members:
-                item.key.exit_code = item.code
-        rcs = [m.exit_code for m in self.members]
-        return self.failed.exit_code if self.failed else next((rc for rc in rcs if rc), 0)
-
-    def _stop_hung(self, age: float) -> int:
-        """Rank 0 silent: every rank dumps its stacks into its own log (which rank is stuck
-        shows there), then the whole group is killed."""
-        self.phase = Phase.STOPPING
-        chief = self.members[0]
-        self.log, self.error_record = chief.log, chief.error_record
-        self.journal.append(Event.HANG_DETECTED, attempt=self.n,
-                            last_heartbeat_age_s=round(age, 3), timeout_s=self.hang.timeout,
-                            pid=chief.pid, workers=[m.describe() for m in self.members])
-        self.say(f"attempt {self.n}: no heartbeat from rank 0 for {age:.1f} s (limit "
-                 f"{self.hang.timeout:g} s): dumping every rank's stacks into its log and "
-                 f"stopping the group")
-        self.signal(heartbeat.STACK_DUMP_SIGNAL)
-        time.sleep(STACK_DUMP_WAIT_S)
-        self.stop(grace=0.0)
-        return self._wait_stopped()
-
-    def _oom_evidence(self, rc: int) -> str | None:
-        return None  # a rank's memory cgroup is its node's: not read from here
-
-    def stop(self, grace: float | None = None) -> None:
-        g = self.stop_grace if grace is None else grace
-        for m in self.members:
-            if m.exit_code is None:
-                self.engine.kill(m, g)
-
-    def signal(self, sig: int) -> None:
-        for m in self.members:
-            if m.exit_code is None:
-                self.engine.signal(m, sig)

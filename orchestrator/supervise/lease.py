@@ -17,7 +17,7 @@ from orchestrator.core.clock import SYSTEM, Clock
 from orchestrator.core.events import Event
 from orchestrator.core.journal import Journal
 from orchestrator.core.lock import Lease, LockLost, RunLock
-from orchestrator.supervise.controlmirror import Outage
+from orchestrator.core.outage import Outage
 from orchestrator.supervise.hangs import HangClock
 
 
@@ -28,12 +28,18 @@ class LeaseKeeper:
                  clock: Clock = SYSTEM):
         self.lock, self.lease, self.outage, self.journal = lock, lease, outage, journal
         self.clock = clock
-        self.hang, self.signal_worker, self.on_lost, self.say = hang, signal_worker, on_lost, say
+        self.hang, self.signal_worker, self.say = hang, signal_worker, say
+        self._on_lost = [on_lost]
         self.held = threading.Event()  # clear while the worker is paused
         self.held.set()
         self.paused_at: float | None = None
         self.lost: LockLost | None = None
         self._guard = threading.Lock()
+
+    def when_lost(self, tell: Callable[[LockLost], None]) -> None:
+        """Tell ``tell`` too when the lock is lost (once, from the thread that found it):
+        for a part built after the lease that must stop writing at once (the durable mirror)."""
+        self._on_lost.append(tell)
 
     def hold(self) -> bool:
         """True when the run directory may be written now (the lock is ours, confirmed)."""
@@ -47,7 +53,8 @@ class LeaseKeeper:
             except LockLost as lost:
                 self.lost = lost
                 self.journal.append(Event.LOCK_LOST, owner=lost.current)
-                self.on_lost(lost)
+                for tell in self._on_lost:
+                    tell(lost)
                 return False
             if exc is None:
                 self.lease.renewed()

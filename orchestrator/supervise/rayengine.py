@@ -26,7 +26,7 @@ import threading
 from orchestrator.core.events import Event
 from orchestrator.supervise import rayconnect
 
-from orchestrator.supervise.attempt import identity_record, spawn
+from orchestrator.supervise.procs import identity_record, spawn
 from orchestrator.supervise.group import EngineUnavailable, Member, free_port
 from orchestrator.supervise.messages import Exited
 

@@ -37,7 +37,7 @@ from orchestrator.core.standbymode import StandbyMode
 from orchestrator.recovery.failures import read_tail
 from orchestrator.recovery.policy import is_preemption
 from orchestrator.supervise import standby_policy
-from orchestrator.supervise.attempt import identity_record, spawn, watch_exit
+from orchestrator.supervise.procs import identity_record, spawn, watch_exit
 
 ON = StandbyMode.ON            # the job's setting: a standby wherever the device allows one
 WARM, IMPORT_ONLY = StandbyMode.WARM, StandbyMode.IMPORT_ONLY
@@ -148,18 +148,17 @@ class Standby:
                             age_s=round(time.time() - self.t0, 3))
 
 
-class Keeper:
+class StandbyKeeper:
     """The supervisor's one standby slot: when to start one, whether the next attempt may be
     it, and what is journaled either way (``attempt_started``'s ``path``: the mode of the
-    promoted standby, or ``cold`` with a ``cold_reason``)."""
+    promoted standby, or ``cold`` with a ``cold_reason``). ``slot``: the worker slot (its
+    queue gets the standby's exit, its stop keeps a standby from starting); ``recovery``: the
+    next attempt's environment and what the remedies know of the device."""
 
-    def __init__(self, spec: JobSpec, cmd: Callable | None, rd: RunDir, events: queue.Queue,
-                 journal: Journal, env: Callable[[], dict], strategy: Callable[[], str],
-                 accelerator: Callable[[], str | None], stopping: Callable[[], bool],
-                 cores: Callable[[], int] | None = None):
-        self.spec, self.cmd, self.rd, self.events, self.journal = spec, cmd, rd, events, journal
-        self.env, self.strategy, self.accelerator = env, strategy, accelerator
-        self.stopping = stopping
+    def __init__(self, spec: JobSpec, cmd: Callable | None, rd: RunDir, journal: Journal,
+                 slot, recovery, cores: Callable[[], int] | None = None):
+        self.spec, self.cmd, self.rd, self.journal = spec, cmd, rd, journal
+        self.slot, self.recovery = slot, recovery
         self.cores = cores or (lambda: standby_policy.cores())  # looked up late: tests set it
         self._decided: tuple | None = None
         self.current: Standby | None = None
@@ -173,9 +172,9 @@ class Keeper:
             return None, "no standby with this worker command"
         if self.spec.workers > 1 or self.spec.engine != "local":
             return None, "several workers (a group) have no standby"
-        setting, strategy = self.spec.standby, self.strategy()
+        setting, strategy = self.spec.standby, self.recovery.remedies.current_strategy()
         mode, why = mode_for("auto" if setting == ON else setting, strategy,
-                             self.accelerator(), self.spec.backend)
+                             self.recovery.remedies.seen, self.spec.backend)
         if setting == ON and mode is not None:
             return mode, f"standby: on ({why})"
         if setting == "auto" and mode == WARM:
@@ -196,14 +195,15 @@ class Keeper:
 
     def start(self, for_attempt: int) -> None:
         """Behind a worker that trains (its start-up done), when the job and strategy allow."""
-        if self.current is not None or self.stopping():
+        if self.current is not None or self.slot.stopped.is_set():
             return
         mode = self.decide(for_attempt)
         if mode is None:
             return
         self.current = Standby(for_attempt, mode, self.cmd(self.spec, for_attempt, mode),
-                               self.env(), self.spec.job_dir, self.rd.standby_log(for_attempt),
-                               self.events, self.journal).start()
+                               self.recovery.attempt_env(), self.spec.job_dir,
+                               self.rd.standby_log(for_attempt), self.slot.events,
+                               self.journal).start()
 
     def exited(self, proc, rc: int, for_attempt: int) -> None:
         """A process on the queue that is not the attempt's exited: if it is the standby, it
