@@ -76,7 +76,9 @@ def _started(journal, n):
 
 
 def test_kills_during_start_up_and_training_complete_on_the_default_budget(tmp_path):
-    job = _job(tmp_path, epochs=2)
+    # the default restart budget; no standby (`auto` started 3 after the kills, each a
+    # framework start, and none was ready before the next kill)
+    job = _job(tmp_path, epochs=2, extra="standby: off\n")
     run = tmp_path / "run"
     ctl = live(job, run)
     journal = Journal(ctl.journal)
