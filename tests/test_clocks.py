@@ -116,6 +116,21 @@ def test_the_hang_clock_gives_the_startup_timeout_then_the_hang_timeout(tmp_path
     assert hang.remaining() < 0
 
 
+def test_the_first_step_s_trace_and_compile_are_start_up_not_a_hang(tmp_path):
+    """train_begin comes before the first step, whose trace and XLA compilation may outlast
+    the hang timeout: the start-up timeout still applies until a step is done."""
+    clock = FakeClock()
+    hang = HangClock(str(tmp_path), hang_timeout=30, startup_timeout=600, clock=clock)
+    hang.start(3)
+    (tmp_path / heartbeat.FILE).write_text('{"attempt": 3, "phase": "train_begin", "time": 1}')
+    hang.beat()
+    clock.advance(100)
+    assert not hang.training and hang.remaining() == 500
+    (tmp_path / heartbeat.FILE).write_text('{"attempt": 3, "phase": "epoch_end", "time": 2}')
+    hang.beat()
+    assert hang.training and hang.remaining() == 30
+
+
 def test_a_beat_of_another_attempt_does_not_reset_the_hang_clock(tmp_path):
     clock = FakeClock()
     hang = HangClock(str(tmp_path), hang_timeout=30, startup_timeout=60, clock=clock)

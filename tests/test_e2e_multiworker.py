@@ -195,8 +195,8 @@ def _fault_in_epoch_2(job, run, fault, kind, reference):
 def test_local_engine_a_hung_rank_stops_the_group_and_it_ends_bit_identical(tmp_path,
                                                                             reference):
     """A rank hangs; the other blocks in a collective, rank 0's heartbeat stops, the group is
-    dumped and killed, and the next attempt completes. (hang_timeout 20 s: the first step's
-    trace counts as training, and took 12 s with the suite's four processes on 2 cores.)"""
+    dumped and killed, and the next attempt completes. (hang_timeout 20 s: the first step took
+    12 s with the suite's four processes on 2 cores, when it counted as training.)"""
     events = _fault_in_epoch_2(_job(tmp_path, "hang_timeout: 20\n"), tmp_path / "run",
                                "hang@step=70", "hang", reference)
     hang = next(e for e in events if e["event"] == "hang_detected")

@@ -28,7 +28,7 @@ class Phase:
     may start, and shown by ``orchestrator status``. Plain strings in ``heartbeat.json``."""
 
     STARTING = "starting"        # imports, build, restore: the start-up timeout applies
-    TRAIN_BEGIN = "train_begin"  # the first step, traced: past start-up
+    TRAIN_BEGIN = "train_begin"  # the first step, traced and compiled: still start-up
     TRAINING = "training"
     VALIDATION = "validation"
     EPOCH_END = "epoch_end"

@@ -19,6 +19,10 @@ from orchestrator.supervise.messages import Beat
 
 # Heartbeat phases written once a training step is done (core/heartbeat.Phase).
 STEPPED = heartbeat.Phase.STEPPED
+# Those of start-up, when the longer timeout applies: until the first step is done, its trace
+# and XLA compilation included (minutes on a TPU; a JAX group's first step took over 20 s on
+# 2 loaded cores, and a hang_timeout of 20 s stopped it as hung three times in one run).
+STARTUP = (heartbeat.Phase.STARTING, heartbeat.Phase.TRAIN_BEGIN)
 
 
 class HeartbeatEvents(FileSystemEventHandler):
@@ -66,7 +70,7 @@ class HangClock:
             return
         self.last = self.clock.monotonic()
         self.last_wall = float(rec.get("time", self.clock.time()))
-        if rec.get("phase") != heartbeat.Phase.STARTING:
+        if rec.get("phase") not in STARTUP:
             self.training = True
         if rec.get("phase") in STEPPED:
             self.stepped = True
