@@ -28,8 +28,8 @@ socket towards the GCS, which for any ``127.x`` is ``127.0.0.1``, where no node 
 supervisor is told its node (``ORCHESTRATOR_RAY_NODE_ADDRESS=127.0.0.4``, passed to Ray as the
 driver's node address). Checked with ``ss -tnp`` while the group trains
 (``_cluster_connections``): every TCP connection of the cluster's processes (the nodes, their
-Ray processes, the ranks) and of the supervisor is between 127.0.0.x addresses (measured: about
-150, none elsewhere); some of Ray's servers listen on every interface, and nothing connects to
+Ray processes, the ranks) and of the supervisor is between 127.0.0.x addresses (measured: 64
+in one run, none elsewhere); some of Ray's servers listen on every interface, and nothing connects to
 them but from loopback.
 
 On JAX (``backend: jax``) the same group is one ``jax.distributed`` program under
