@@ -1,11 +1,36 @@
-"""Real TensorFlow, two CPU workers under MultiWorkerMirroredStrategy on loopback.
+"""Real TensorFlow, two CPU workers under MultiWorkerMirroredStrategy.
 
-Placed by the local engine (two processes here) and by Ray (a local Ray started by the test,
-one placement-group bundle per worker). Rank 1 SIGKILLed in the middle of an epoch (Ray), or a
-hang of one rank (local: it stalls the group; rank 0's silent heartbeat stops it): the group is
-stopped, restarted from the newest checkpoint, and ends with the weights of an uninterrupted
-2-worker run.
-Where Ray is not installed the Ray test is skipped with the reason.
+Placed by the local engine (two processes here, on loopback) and by Ray: a cluster of three
+nodes on this machine. A hang of one rank (local: it stalls the group; the silent heartbeat
+stops it), and on Ray a hang of rank 0 then a SIGKILL of rank 1 in the middle of an epoch: the
+group is stopped each time, restarted from the newest checkpoint, and ends with the weights of
+an uninterrupted 2-worker run. Where Ray is not installed the Ray tests are skipped with the
+reason.
+
+The Ray cluster (``ray_cluster``) is as real machines are, on one:
+
+- a head with no CPUs (no rank runs there; the supervisor is its driver), and two worker nodes
+  of one CPU each, so that the two ranks land on two nodes;
+- each worker node in a mount namespace of its own (``unshare --mount``, root in the tests'
+  container) with a tmpfs on ``/tmp``: its own local disk (tests/fakes/ray_node.py). The
+  supervisor's local control folder and each node's local checkpoint tier are then invisible to
+  the others; only the run directory, made outside ``/tmp``, is shared. Heartbeats, journal
+  lines, logs and stack dumps reach the supervisor through Ray only, and the durable copies are
+  made on the chief's node (supervise/relay.py, rayengine.py).
+
+Every packet on loopback. Ray 2.60 maps ``127.0.0.1`` (and ``localhost``) to the machine's
+interface address wherever a node or a driver names it, unless
+``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, which keeps it but refuses any node but the head. So no
+node is on ``127.0.0.1``: the head is on ``127.0.0.4`` and the worker nodes on ``127.0.0.2`` and
+``127.0.0.3``, each with an explicit ``--node-ip-address`` and the variable unset. The GCS is
+reached at the head's exact address. A driver finds its own node by the source address of a
+socket towards the GCS, which for any ``127.x`` is ``127.0.0.1``, where no node is: the
+supervisor is told its node (``ORCHESTRATOR_RAY_NODE_ADDRESS=127.0.0.4``, passed to Ray as the
+driver's node address). Checked with ``ss -tnp`` while the group trains
+(``_cluster_connections``): every TCP connection of the cluster's processes (the nodes, their
+Ray processes, the ranks) and of the supervisor is between 127.0.0.x addresses (measured: 64
+in one run, none elsewhere); some of Ray's servers listen on every interface, and nothing connects to
+them but from loopback.
 
 On JAX (``backend: jax``) the same group is one ``jax.distributed`` program under
 ``keras.distribution.DataParallel``: the 2-process run, one of whose ranks fails, ends with the
@@ -13,16 +38,20 @@ weights of one uninterrupted process with two CPU devices.
 """
 import contextlib
 import os
+import pathlib
+import re
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
 from helpers import ROOT, live, once_per_session, wait_while_running
 from orchestrator.core import heartbeat
 from orchestrator.core.journal import Journal
+from orchestrator.core.procid import ProcessIdentity, signal_proven
 from orchestrator.ops.status import format_status, run_status
 
 pytestmark = pytest.mark.e2e
@@ -76,10 +105,10 @@ def reference(tmp_path_factory):
 
 
 # The suite's Ray: its own authentication mode and token, whatever an earlier run left in
-# ~/.ray; on loopback only (the head's address, and RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 so that
-# Ray keeps 127.0.0.1 for a driver instead of mapping it to the machine's interface address).
+# ~/.ray; every node on a loopback address of its own (the module's docstring says why).
 RAY_TOKEN = "orchestrator-suite-" + os.urandom(8).hex()
-LOOPBACK_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0"}
+HEAD, NODES = "127.0.0.4", ("127.0.0.2", "127.0.0.3")
 
 
 @pytest.fixture(scope="module")
@@ -99,75 +128,101 @@ def reference_jax(tmp_path_factory):
     return journal.events("run_completed")[0]["weights_sha256"]
 
 
-@pytest.fixture(scope="module")
-def ray_address(tmp_path_factory):
-    """A one-node Ray head on 127.0.0.1 with token authentication, this suite's own: started
-    with ``--block`` in a session of its own and stopped by its pid (SIGTERM: it drains and
-    stops its processes), never by ``ray stop``, which stops every Ray of the machine."""
-    pytest.importorskip("ray", reason="the ray engine needs Ray: pip install 'orchestrator[ray]'")
-    tmp = tmp_path_factory.mktemp("ray")
-    env = dict(os.environ, **LOOPBACK_ENV, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=RAY_TOKEN)
-    with open(tmp / "head.log", "wb") as log:
-        head = subprocess.Popen(
-            [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
-             "--num-cpus=4", "--include-dashboard=false", f"--temp-dir={tmp}", "--port=0",
-             "--node-ip-address=127.0.0.1"], env=env, stdout=log, stderr=subprocess.STDOUT,
-            start_new_session=True)
+def _stop(proc) -> None:
+    """A Ray node we started, by its pid (SIGTERM: ``--block`` drains and stops its
+    processes), never by ``ray stop``, which stops every Ray of the machine."""
+    proc.terminate()
     try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        pass
+    with contextlib.suppress(ProcessLookupError):  # what did not stop with it
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(tmp_path_factory):
+    """The three-node loopback cluster with token authentication (the module's docstring):
+    (GCS address, the processes of its nodes), stopped by their pids at the end."""
+    pytest.importorskip("ray", reason="the ray engine needs Ray: pip install 'orchestrator[ray]'")
+    if shutil.which("unshare") is None or os.geteuid() != 0:
+        pytest.skip("the cluster's nodes need unshare --mount and root (a private /tmp each)")
+    tmp = tmp_path_factory.mktemp("ray")
+    env = dict(os.environ, **RAY_ENV, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=RAY_TOKEN)
+    env.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)
+    procs = []
+    try:
+        with open(tmp / "head.log", "wb") as log:
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
+                 "--num-cpus=0", "--include-dashboard=false", f"--temp-dir={tmp}", "--port=0",
+                 f"--node-ip-address={HEAD}"], env=env, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True))
         current = tmp / "ray_current_cluster"
-        wait_while_running(head, lambda: current.exists() and current.read_text().strip(),
+        wait_while_running(procs[0], lambda: current.exists() and current.read_text().strip(),
                            what=f"the Ray head up (its log: {tmp / 'head.log'})")
         address = current.read_text().strip()
-        assert address.startswith("127.0.0.1:"), address
-        yield address
+        assert address.startswith(f"{HEAD}:"), address
+        for ip in NODES:
+            with open(tmp / f"node-{ip}.log", "wb") as log:
+                procs.append(subprocess.Popen(
+                    ["unshare", "--mount", "--propagation", "private", sys.executable,
+                     os.path.join(ROOT, "tests", "fakes", "ray_node.py"), ip, address, "1"],
+                    env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+        yield address, procs
     finally:
-        head.terminate()
-        try:
-            head.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            pass
-        with contextlib.suppress(ProcessLookupError):  # what did not stop with it
-            os.killpg(head.pid, signal.SIGKILL)
-        head.wait()
+        for p in reversed(procs):
+            _stop(p)
+
+
+@pytest.fixture
+def shared_dir():
+    """The job and its run directory outside /tmp: the one folder every node sees."""
+    path = tempfile.mkdtemp(prefix="orchestrator-e2e-", dir="/var/tmp")
+    try:
+        yield pathlib.Path(path)
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _ray_env(address, **more):
     """The supervisor's: the cluster's address and its token, not its mode (the supervisor
-    finds the cluster's mode itself, supervise/rayconnect.py)."""
-    env = dict(os.environ, **LOOPBACK_ENV, RAY_ADDRESS=address, RAY_AUTH_TOKEN=RAY_TOKEN, **more)
+    finds the cluster's mode itself, supervise/rayconnect.py), and its own node's address."""
+    env = dict(os.environ, **RAY_ENV, RAY_ADDRESS=address, RAY_AUTH_TOKEN=RAY_TOKEN,
+               ORCHESTRATOR_RAY_NODE_ADDRESS=HEAD, **more)
     env.pop("RAY_AUTH_MODE", None)
+    env.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)
     return env
 
 
-def _kill_rank_1_mid_epoch(job, run, engine, reference, env=None, args=()):
-    ctl = live(job, run)
-    journal = Journal(ctl.journal)
-    p = _run(job, run, "--engine", engine, *args, env=env)
-    started = _wait(p, lambda: next(journal.iter("attempt_started"), None), what="attempt 1")
-    assert [w["rank"] for w in started["workers"]] == [0, 1] and started["engine"] == engine
-    spe = _wait(p, lambda: next(journal.iter("worker_ready"), None),
-                what="rank 0 ready")["steps_per_epoch"]
-    target = spe + spe // 2 + 3  # the middle of epoch 2, past a mid-epoch checkpoint
-    _wait(p, lambda: (heartbeat.read(ctl.control) or {}).get("step", 0) >= target, what="step")
-    os.kill(started["workers"][1]["pid"], signal.SIGKILL)
-    out, _ = p.communicate(timeout=900)  # a cap only: the supervisor bounds its own waits
-    assert p.returncode == 0, out
-    events = Journal(str(run / "events.jsonl")).events()
-    failed = [e for e in events if e["event"] == "group_member_failed"]
-    assert failed[0]["rank"] == 1 and failed[0]["stopping"] == [0]
-    ended = [e for e in events if e["event"] == "attempt_ended"]
-    assert ended[0]["kind"] == "killed"
-    starts = [e for e in events if e["event"] == "attempt_started"]
-    assert len(starts) >= 2 and len(starts[1]["workers"]) == 2
-    ready = [e for e in events if e["event"] == "worker_ready"]
-    assert ready[1]["resumed_from_step"] > spe  # from the mid-epoch checkpoint
-    assert [e["epoch"] for e in events if e["event"] == "epoch_completed"] == [1, 2]
-    done = next(e for e in events if e["event"] == "run_completed")
-    assert done["weights_sha256"] == reference
-    s = run_status(str(run))  # status and the report show the group
-    assert [w["rank"] for w in s["workers"]] == [0, 1]
-    assert "workers: rank 0 pid" in format_status(s)
-    return events
+def _descendants(roots) -> set[int]:
+    """The pids of ``roots`` and of every process below them (the cluster's, the ranks)."""
+    parents = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                with open(f"/proc/{d}/stat", encoding="ascii", errors="replace") as f:
+                    parents[int(d)] = int(f.read().rsplit(")", 1)[1].split()[1])
+    found, more = set(), set(roots)
+    while more:
+        found |= more
+        more = {pid for pid, ppid in parents.items() if ppid in more and pid not in found}
+    return found
+
+
+def _cluster_connections(roots) -> list[tuple[str, str]]:
+    """(local, peer) address of every TCP connection held by ``roots`` and their processes,
+    from ``ss -tnp`` (the module's docstring: every one must be on loopback)."""
+    pids = _descendants(roots)
+    out = subprocess.run(["ss", "-tnpH"], capture_output=True, text=True, check=True).stdout
+    pairs = []
+    for line in out.splitlines():
+        cols = line.split()
+        if len(cols) >= 6 and any(int(pid) in pids for pid in re.findall(r"pid=(\d+)", line)):
+            pairs.append(tuple(c.rsplit(":", 1)[0].strip("[]").removeprefix("::ffff:")
+                               for c in cols[3:5]))  # IPv4 as ss shows it on a v6 socket
+    return pairs
 
 
 def _fault_in_epoch_2(job, run, fault, kind, reference):
@@ -203,30 +258,77 @@ def test_local_engine_a_hung_rank_stops_the_group_and_it_ends_bit_identical(tmp_
     assert hang["attempt"] == 1 and len(hang["workers"]) == 2
 
 
-def test_ray_engine_rank_1_killed_mid_epoch_ends_bit_identical(tmp_path, reference,
-                                                               ray_address):
-    """Through a Ray cluster with token authentication, on loopback: the supervisor connects
-    in the cluster's mode, journals the connection and the wait for placement, and every
-    rank's address is on 127.0.0.1."""
-    events = _kill_rank_1_mid_epoch(_job(tmp_path), tmp_path / "run", "ray", reference,
-                                    _ray_env(ray_address))
-    workers = next(e for e in events if e["event"] == "attempt_started")["workers"]
-    assert all(w["pid"] and w["host"] and w["identity"] for w in workers)
+def test_ray_three_nodes_a_hung_rank_0_then_a_killed_rank_1_end_bit_identical(
+        shared_dir, reference, ray_cluster):
+    """On the three-node cluster (no rank on the head, a private /tmp per node): rank 0 hangs
+    in the middle of epoch 2. Its silence reaches the supervisor through Ray, the group's stacks
+    come back from both nodes, and it restarts. In the next attempt rank 1 is SIGKILLed in the
+    middle of the epoch: the group restarts again, from the copies made durable on the chief's
+    node, and ends with the weights of the uninterrupted run. The journal says which node each
+    rank was on, the hang and the kill. (hang_timeout 20 s: the first step's trace counts as
+    training; slow steps from step 60 leave the test time to kill in the middle of the epoch.)"""
+    address, nodes = ray_cluster
+    job, run = _job(shared_dir, "hang_timeout: 20\n"), shared_dir / "run"
+    ctl = live(job, run)
+    journal = Journal(ctl.journal)
+    p = _run(job, run, "--engine", "ray", "--fault", "hang@step=70",
+             "--fault", "slow-steps@step=60,for=0.1", env=_ray_env(address))
+    try:
+        _wait(p, lambda: next(journal.iter("hang_detected"), None), what="the hang")
+        second = _wait(p, lambda: next((e for e in journal.iter("attempt_started")
+                                        if e["attempt"] == 2), None), what="attempt 2")
+        beat = _wait(p, lambda: (lambda b: b if b.get("attempt") == 2 and b.get("step", 0) > 62
+                                 else None)(heartbeat.read(ctl.control) or {}),
+                     what="attempt 2 past step 62, relayed")
+        connections = _cluster_connections([x.pid for x in nodes] + [p.pid])
+        rank1 = second["workers"][1]
+        assert signal_proven(ProcessIdentity.from_record(rank1["pid"], rank1["identity"]),
+                             signal.SIGKILL, group=False) is None
+    except BaseException:
+        p.terminate()  # the supervisor we started: it stops its group on the cluster
+        print(p.communicate(timeout=300)[0])
+        raise
+    out, _ = p.communicate(timeout=900)  # a cap only: the supervisor bounds its own waits
+    assert p.returncode == 0, out
+    assert beat["step"] < 88, beat  # killed in the middle of epoch 2 (44 steps an epoch)
+    assert len(connections) > 10 and all(
+        a.startswith("127.0.0.") and b.startswith("127.0.0.") for a, b in connections), \
+        connections
+    events = Journal(str(run / "events.jsonl")).events()
+    starts = [e for e in events if e["event"] == "attempt_started"]
+    assert len(starts) == 3
+    for e in starts:  # a rank on each worker node, none on the head, each named
+        assert sorted(w["node"] for w in e["workers"]) == sorted(NODES), e
+    hang = next(e for e in events if e["event"] == "hang_detected")
+    assert hang["attempt"] == 1 and 20 <= hang["last_heartbeat_age_s"] < 40, hang
+    assert {w["node"] for w in hang["workers"]} == set(NODES)
+    failed = [e for e in events if e["event"] == "group_member_failed"]
+    assert [(e["attempt"], e["rank"], e["exit_code"], e["stopping"]) for e in failed] == \
+        [(2, 1, -signal.SIGKILL, [0])] and failed[0]["node"] == rank1["node"]
+    assert [e["kind"] for e in events if e["event"] == "attempt_ended"] == \
+        ["hang", "killed", None]
+    ready = [e for e in events if e["event"] == "worker_ready"]  # rank 0's, relayed
+    assert [e["attempt"] for e in ready] == [1, 2, 3]
+    assert ready[1]["resumed_from_step"] == 60 and 60 <= ready[2]["resumed_from_step"] < 88
+    assert any(e["event"] == "checkpoint_durable" for e in events)  # from the chief's node
+    for log in ("1.log", "1.r1.log"):  # both ranks' stacks, relayed from their nodes
+        assert "most recent call first" in (run / "attempts" / log).read_text(), log
+    assert [e["epoch"] for e in events if e["event"] == "epoch_completed"] == [1, 2]
+    assert next(e for e in events if e["event"] == "run_completed")["weights_sha256"] == \
+        reference
     connected = [e for e in events if e["event"] == "engine_connected"]
-    assert [(e["address"], e["auth"]) for e in connected] == [(ray_address, "token")]
-    placing = [e for e in events if e["event"] == "group_placing"]
-    placed = [e for e in events if e["event"] == "group_placed"]
-    assert len(placing) == len(placed) >= 2 and placing[0]["timeout_s"] > 0
-    assert all(e["placed"] for e in placed)
-    assert all(a.startswith("127.0.0.1:") for e in placed for a in e["addresses"]), placed
+    assert [(e["address"], e["auth"]) for e in connected] == [(address, "token")]
+    s = run_status(str(run))  # status and the report show the group
+    assert [w["rank"] for w in s["workers"]] == [0, 1]
+    assert "workers: rank 0 pid" in format_status(s)
 
 
-def test_ray_without_the_clusters_token_is_one_line_and_an_exit(tmp_path, ray_address):
+def test_ray_without_the_clusters_token_is_one_line_and_an_exit(tmp_path, ray_cluster):
     """No token here for a cluster that requires one (nothing in the environment, an empty
     home): refused at once with one line and exit 2, journaled; no endless retry."""
     home = tmp_path / "home"
     home.mkdir()
-    env = _ray_env(ray_address, HOME=str(home))
+    env = _ray_env(ray_cluster[0], HOME=str(home))
     del env["RAY_AUTH_TOKEN"]
     job, run = _job(tmp_path), tmp_path / "run"
     p = _run(job, run, "--engine", "ray", env=env)

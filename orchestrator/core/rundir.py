@@ -46,6 +46,10 @@ ENV_FAULTS = "ORCHESTRATOR_FAULTS"
 ENV_PREFIX = "ORCHESTRATOR_"
 # Read by the supervisor only: how long Ray may take to place a group's workers (seconds).
 ENV_RAY_PLACEMENT_TIMEOUT = "ORCHESTRATOR_RAY_PLACEMENT_TIMEOUT"
+# Read by the supervisor only: the address of the Ray node it runs on, when Ray cannot find it
+# itself (a cluster on loopback addresses other than 127.0.0.1: Ray would take 127.0.0.1, where
+# no node of that cluster is, and wait for a raylet that never comes).
+ENV_RAY_NODE_ADDRESS = "ORCHESTRATOR_RAY_NODE_ADDRESS"
 
 
 # The control state's names, relative to ``RunDir.control`` and, mirrored, to ``RunDir.root``.
@@ -119,7 +123,7 @@ class RunDir:
     def for_rank(self, rank: int) -> str:
         """Where a worker of rank > 0 keeps its own journal and heartbeat: rank 0 (the chief)
         speaks for the group in the run's journal; the others' would say the same again."""
-        return self.control if not rank else os.path.join(self.control, f"rank-{rank}")
+        return rank_dir(self.control, rank)
 
     def make(self) -> "RunDir":
         """Create what a run needs to start; ``checkpoints/`` (the durable tier) is created by
@@ -127,6 +131,22 @@ class RunDir:
         folder: a worker starting while the run directory is down must not fail here."""
         os.makedirs(self.attempts, exist_ok=True)
         return self
+
+
+def rank_dir(control: str, rank: int) -> str:
+    """``RunDir.for_rank`` from the control folder alone (the hang clock, the relay)."""
+    return control if not rank else os.path.join(control, f"rank-{rank}")
+
+
+def rank_of(control: str, folder: str) -> int | None:
+    """The rank whose folder ``folder`` is (``rank_dir``'s inverse), None for another one."""
+    folder, control = os.path.normpath(folder), os.path.normpath(control)
+    if folder == control:
+        return 0
+    name = os.path.basename(folder)
+    if os.path.dirname(folder) == control and name.startswith("rank-") and name[5:].isdigit():
+        return int(name[5:])
+    return None
 
 
 def default_local_dir(name: str, run_dir: str) -> str:

@@ -15,8 +15,10 @@ health check aborts the collectives, or a survivor stays blocked in an all-reduc
 - the first rank that exits non-zero (or is lost with its Ray node) names the failure: its exit
   status, error record and log are the attempt's, classified as a single worker's would be;
 - every other rank is stopped at once (its whole process group), so no survivor stays blocked;
-- a hang is rank 0's heartbeat going silent: a rank stuck in a collective stalls rank 0's step
-  too, and a stuck rank 0 is itself silent;
+- a hang is the slowest rank's heartbeat going silent past its timeout (hangs.py): a rank stuck
+  in a collective holds the others; every rank's beat counts, heard from its file here or relayed
+  through Ray from whatever node it runs on (rayengine.py), and the rank that went silent first
+  is the one named;
 - the group succeeds when every rank exits 0.
 
 A group is placed by an engine (group.LocalEngine, rayengine.RayEngine) and journaled rank by
@@ -131,7 +133,7 @@ class Attempt:
             cluster = {"worker": [addr for _, addr in places]}
             for rank, (host, _) in enumerate(places):
                 m = Member(rank, host, self.rd.attempt_log(self.n, rank),
-                           self.rd.error_record(self.n, rank))
+                           self.rd.error_record(self.n, rank), control=self.rd.for_rank(rank))
                 env = dict(self.env, TF_CONFIG=json.dumps(
                     {"cluster": cluster, "task": {"type": "worker", "index": rank}}))
                 self.engine.spawn(m, self.cmd, env, self.cwd, self.events)
@@ -167,7 +169,7 @@ class Attempt:
         if not self.group:  # a rank's memory cgroup is its node's: not read from here
             self._cgroups = oom.memory_cgroups(chief.pid)
             self._oom_before = oom.snapshot(self._cgroups)
-        self.hang.start(self.n)
+        self.hang.start(self.n, len(self.members))
         ranks = dict(engine=self.engine.name,
                      workers=[m.describe(identity=True) for m in self.members]) \
             if self.group else {}
@@ -197,7 +199,7 @@ class Attempt:
             if isinstance(item, Committed):
                 on_checkpoint()
             elif isinstance(item, Beat):
-                self.hang.beat()
+                self.hang.beat(item.rank, item.record)
                 if self.hang.stepped and not training:
                     training = True
                     self.standby.start(self.n + 1)
@@ -237,7 +239,7 @@ class Attempt:
             self.log, self.error_record = m.log, m.error_record  # the group's failure
             if self.group:
                 self.journal.append(Event.GROUP_MEMBER_FAILED, attempt=self.n, rank=m.rank,
-                                    exit_code=rc, host=m.host,
+                                    exit_code=rc, host=m.host, node=m.node,
                                     stopping=[x.rank for x in self.members
                                               if x.exit_code is None])
             self.stop(grace=0.0)
@@ -272,14 +274,17 @@ class Attempt:
         No SIGTERM grace: the worker answers SIGTERM at its next step boundary
         (train/preemption.py), which a hung main thread never reaches; measured, the grace
         added the whole ``stop_grace`` (10 s) to every hang recovery."""
-        chief = self.members[0]
+        silent = self.hang.silent()
+        chief = next((m for m in self.members if m.rank == silent), self.members[0])
         self.log, self.error_record = chief.log, chief.error_record
-        ranks = dict(workers=[m.describe() for m in self.members]) if self.group else {}
+        ranks = dict(workers=[m.describe() for m in self.members], rank=silent,
+                     heartbeat_ages_s=self.hang.ages()) if self.group else {}
         self.journal.append(Event.HANG_DETECTED, attempt=self.n,
                             last_heartbeat_age_s=round(age, 3), timeout_s=self.hang.timeout,
                             pid=chief.pid, **ranks)
         if self.group:
-            self.say(f"attempt {self.n}: no heartbeat from rank 0 for {age:.1f} s (limit "
+            self.say(f"attempt {self.n}: no heartbeat from rank {silent} "
+                     f"({chief.node or chief.host}) for {age:.1f} s (limit "
                      f"{self.hang.timeout:g} s): dumping every rank's stacks into its log and "
                      f"stopping the group")
             self.signal(heartbeat.STACK_DUMP_SIGNAL)

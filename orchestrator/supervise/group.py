@@ -39,11 +39,15 @@ class Member:
     exit_code: int | None = None
     info: dict = field(default_factory=dict)
     identity: dict | None = None  # taken where it was spawned (core/procid.py), as journaled
+    control: str | None = None  # its control folder here (RunDir.for_rank): relayed state
+    node: str | None = None     # the engine's name for its node (Ray: the node's address)
 
     def describe(self, identity: bool = False) -> dict:
         """Where it runs; with ``identity``, what a later supervisor needs to know its pid
         again (``attempt_started``)."""
         d = {"rank": self.rank, "pid": self.pid, "host": self.host}
+        if self.node:
+            d["node"] = self.node
         return dict(d, identity=self.identity) if identity else d
 
 

@@ -1,4 +1,5 @@
-"""Hang detection for the supervisor: heartbeats heard as file events, and a deadline.
+"""Hang detection for the supervisor: heartbeats heard (file events here, or relayed through
+Ray from a rank's node), and a deadline per rank.
 
 A worker that is alive but stuck (the multiprocessing data-loader deadlock that freezes
 ``fit`` at epoch 1, a wedged collective) never exits; only its silence tells. Every replacement
@@ -15,6 +16,7 @@ from watchdog.events import FileSystemEventHandler
 
 from orchestrator.core import heartbeat
 from orchestrator.core.clock import SYSTEM, Clock
+from orchestrator.core.rundir import rank_dir, rank_of
 from orchestrator.supervise.messages import Beat
 
 # Heartbeat phases written once a training step is done (core/heartbeat.Phase).
@@ -26,14 +28,18 @@ STARTUP = (heartbeat.Phase.STARTING, heartbeat.Phase.TRAIN_BEGIN)
 
 
 class HeartbeatEvents(FileSystemEventHandler):
-    """Puts ``Beat()`` on the supervisor's queue whenever heartbeat.json is replaced."""
+    """Puts ``Beat(rank)`` on the supervisor's queue whenever a rank's heartbeat.json in the
+    control folder is replaced (rank 0's in the folder, rank k's in ``rank-k/``: rundir.py)."""
 
-    def __init__(self, q: queue.Queue):
-        self.q = q
+    def __init__(self, q: queue.Queue, control: str):
+        self.q, self.control = q, control
 
     def _check(self, path) -> None:
-        if os.path.basename(os.fsdecode(path)) == heartbeat.FILE:
-            self.q.put(Beat())
+        path = os.fsdecode(path)
+        if os.path.basename(path) == heartbeat.FILE:
+            rank = rank_of(self.control, os.path.dirname(path))
+            if rank is not None:
+                self.q.put(Beat(rank))
 
     def on_moved(self, event):
         self._check(event.dest_path)
@@ -45,33 +51,48 @@ class HeartbeatEvents(FileSystemEventHandler):
         self._check(event.src_path)
 
 
+class _Rank:
+    """One rank's side of the clock: when it last beat, and whether it is past start-up."""
+
+    def __init__(self, now: float, wall: float):
+        self.last, self.last_wall = now, wall
+        self.training = False
+
+    def timeout(self, clock: "HangClock") -> float:
+        return clock.hang_timeout if self.training else clock.startup_timeout
+
+
 class HangClock:
-    """When the attempt in flight counts as hung."""
+    """When the attempt in flight counts as hung: when its slowest rank has been silent past its
+    timeout. One worker is rank 0 alone. In a group every rank's beat counts, wherever it runs
+    (a file here, or relayed through Ray from its node: rayengine.py): a rank stuck in a
+    collective holds the others, and the one that went silent first is the one named."""
 
     def __init__(self, run_dir: str, hang_timeout: float, startup_timeout: float,
                  clock: Clock = SYSTEM):
         self.run_dir, self.clock = run_dir, clock
         self.hang_timeout, self.startup_timeout = hang_timeout, startup_timeout
         self.attempt = None
-        self.last = clock.monotonic()
-        self.last_wall = clock.time()
-        self.training = False  # past start-up: the hang timeout applies
+        self.ranks = {0: _Rank(clock.monotonic(), clock.time())}
         self.stepped = False   # a training step is done (a standby may start)
         self.paused = False  # the worker is stopped on purpose (core/lock.py's lease)
 
-    def start(self, attempt: int) -> None:
-        self.attempt, self.training, self.stepped = attempt, False, False
-        self.last, self.last_wall = self.clock.monotonic(), self.clock.time()
+    def start(self, attempt: int, ranks: int = 1) -> None:
+        self.attempt, self.stepped = attempt, False
+        now, wall = self.clock.monotonic(), self.clock.time()
+        self.ranks = {r: _Rank(now, wall) for r in range(ranks)}
 
-    def beat(self) -> None:
-        """A heartbeat file event: count it if it is the current attempt's."""
-        rec = heartbeat.read(self.run_dir)
-        if not rec or rec.get("attempt") != self.attempt:
+    def beat(self, rank: int = 0, record: dict | None = None) -> None:
+        """A heartbeat of ``rank``: relayed (``record``) or a file event (read here). Counted if
+        it is the current attempt's."""
+        rec = record if record is not None else heartbeat.read(rank_dir(self.run_dir, rank))
+        r = self.ranks.get(rank)
+        if r is None or not rec or rec.get("attempt") != self.attempt:
             return
-        self.last = self.clock.monotonic()
-        self.last_wall = float(rec.get("time", self.clock.time()))
+        r.last = self.clock.monotonic()
+        r.last_wall = float(rec.get("time", self.clock.time()))
         if rec.get("phase") not in STARTUP:
-            self.training = True
+            r.training = True
         if rec.get("phase") in STEPPED:
             self.stepped = True
 
@@ -81,20 +102,39 @@ class HangClock:
     def resume(self) -> None:
         """A paused worker goes on: its silence while stopped was ours, not a hang."""
         self.paused = False
-        self.last, self.last_wall = self.clock.monotonic(), self.clock.time()
+        now, wall = self.clock.monotonic(), self.clock.time()
+        for r in self.ranks.values():
+            r.last, r.last_wall = now, wall
+
+    @property
+    def training(self) -> bool:
+        """Past start-up: every rank has beaten from training."""
+        return all(r.training for r in self.ranks.values())
+
+    def _left(self, r: _Rank) -> float:
+        return r.timeout(self) - (self.clock.monotonic() - r.last)
+
+    def silent(self) -> int:
+        """The rank closest to its timeout (past it, when the attempt is hung)."""
+        return min(self.ranks, key=lambda k: self._left(self.ranks[k]))
 
     @property
     def timeout(self) -> float:
-        return self.hang_timeout if self.training else self.startup_timeout
+        return self.ranks[self.silent()].timeout(self)
 
     def remaining(self) -> float:
         if self.paused:
             return float("inf")
-        return self.timeout - (self.clock.monotonic() - self.last)
+        return self._left(self.ranks[self.silent()])
 
     def age(self) -> float:
-        """Seconds since the last beat, by the beat's own timestamp."""
-        return self.clock.time() - self.last_wall
+        """Seconds since the silent rank's last beat, by the beat's own timestamp."""
+        return self.clock.time() - self.ranks[self.silent()].last_wall
+
+    def ages(self) -> dict[int, float]:
+        """Every rank's seconds since its last beat (journaled with a hang)."""
+        now = self.clock.time()
+        return {k: round(now - r.last_wall, 3) for k, r in sorted(self.ranks.items())}
 
 
 def dump_stacks(pid: int, log_path: str, wait: float = 2.0, clock: Clock = SYSTEM) -> bool:

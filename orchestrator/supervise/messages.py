@@ -21,9 +21,14 @@ class Exited:
     code: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Beat:
-    """``heartbeat.json`` was replaced: the hang clock reads it."""
+    """Rank ``rank``'s heartbeat: its ``heartbeat.json`` was replaced here (``record`` None:
+    the hang clock reads the file), or its beat was relayed through Ray from the node it runs on
+    (``record``: the beat itself, read there)."""
+
+    rank: int = 0
+    record: dict | None = None
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,8 @@ import signal
 import threading
 
 from orchestrator.core.events import Event
-from orchestrator.supervise import rayconnect
+from orchestrator.core.rundir import ENV_RAY_NODE_ADDRESS, JOURNAL_FILE
+from orchestrator.supervise import rayconnect, relay
 
 from orchestrator.supervise.procs import identity_record, spawn
 from orchestrator.supervise.group import EngineUnavailable, Member, free_port
@@ -45,28 +46,48 @@ class RayUnavailable(EngineUnavailable):
 
 
 def _host_class(ray):
-    @ray.remote(max_restarts=0)
+    # threaded: the supervisor's relay call, a signal or a stop are answered while wait() waits
+    @ray.remote(max_restarts=0, max_concurrency=8)
     class WorkerHost:
-        """Runs one rank's worker process on the node Ray placed this actor on."""
+        """Runs one rank's worker process on the node Ray placed this actor on, relays its
+        control state (relay.py) and, on a node that is not the supervisor's, makes the
+        durable copies of the checkpoints it commits there (``NodeMirror``)."""
 
         def __init__(self):
             self.proc = None
+            self.files = None
+            self.mirror = None
 
-        def place(self) -> tuple[str, str]:
+        def place(self) -> tuple[str, str, str, str]:
+            """(host name, host:port for TF_CONFIG, the node's address, its node_key)."""
             import socket
 
             ip = ray.util.get_node_ip_address()  # 127.0.0.1 for a one-node Ray on loopback
-            return socket.gethostname(), f"{ip}:{free_port(ip)}"
+            return socket.gethostname(), f"{ip}:{free_port(ip)}", ip, relay.node_key()
 
-        def start(self, cmd: list, env: dict, cwd: str, log: str) -> tuple:
-            """(pid, identity): taken here, on its node, where its /proc is."""
+        def start(self, cmd: list, env: dict, cwd: str, log: str, control: str, files: bool,
+                  tiers: tuple | None) -> tuple:
+            """(pid, identity, relay cursor): taken here, on its node, where its /proc is.
+            ``files``: this node is not the supervisor's (relay the journal and the log);
+            ``tiers``: (local root, durable root, retention) for this node's durable copies."""
             env = dict(env, **{k: v for k, v in os.environ.items() if k in RAY_DEVICE_ENV})
             os.makedirs(os.path.dirname(log), exist_ok=True)
+            os.makedirs(control, exist_ok=True)
+            self.files = relay.RankFiles(control, log, files)
+            cursor = self.files.cursor()
+            if tiers is not None:
+                self.mirror = NodeMirror(*tiers, journal=os.path.join(control, JOURNAL_FILE))
             self.proc = spawn(cmd, env, cwd, log)
-            return self.proc.pid, identity_record(self.proc)
+            return self.proc.pid, identity_record(self.proc), cursor
+
+        def relay(self, cursor, timeout: float) -> tuple:
+            """What changed in the rank's control state since ``cursor`` (relay.RankFiles)."""
+            return self.files.next(cursor, timeout)
 
         def wait(self, error_record: str, log: str) -> tuple:
             rc = self.proc.wait()
+            if self.mirror is not None:  # its last checkpoints durable before the exit is told
+                self.mirror.close()
             record = tail = None
             try:
                 with open(error_record, encoding="utf-8") as f:
@@ -99,24 +120,65 @@ def _host_class(ray):
             except subprocess.TimeoutExpired:
                 pass
             self.signal(signal.SIGKILL)
+            self.proc.wait()
 
     return WorkerHost
+
+
+class NodeMirror:
+    """The durable mirror (checkpoint/mirror.py) run on a rank's node, over that node's local
+    tier: only there can its checkpoints be read. Its events go into the rank's journal on the
+    node, relayed with the rest; each commit there wakes it (a watchdog event, as at home)."""
+
+    def __init__(self, local_root: str, durable_root: str, retention, journal: str):
+        from watchdog.events import FileSystemEventHandler
+        from watchdog.observers import Observer
+
+        from orchestrator.checkpoint.mirror import DurableMirror
+        from orchestrator.checkpoint.tiers import TieredStore
+        from orchestrator.core.journal import Journal
+
+        os.makedirs(local_root, exist_ok=True)
+        self.mirror = DurableMirror(TieredStore(local_root, durable_root), Journal(journal),
+                                    retention).start()
+        mirror = self.mirror
+
+        class Wake(FileSystemEventHandler):
+            def on_created(self, event):
+                mirror.notify()
+
+            def on_moved(self, event):
+                mirror.notify()
+
+        self.observer = Observer()
+        self.observer.schedule(Wake(), local_root, recursive=True)
+        self.observer.start()
+
+    def close(self, timeout: float = 120.0) -> None:
+        self.observer.stop()
+        self.mirror.flush(timeout)
+        self.mirror.stop()
 
 
 class RayEngine:
     name = "ray"
 
-    def __init__(self, address: str | None, resources: dict, say=print, journal=None):
+    def __init__(self, address: str | None, resources: dict, say=print, journal=None,
+                 tiers: tuple | None = None):
         """Connect as Ray's driver (rayconnect.py: bounded by ``CONNECT_TIMEOUT_ENV``, in the
-        cluster's authentication mode), journaled either way."""
+        cluster's authentication mode), journaled either way. ``tiers``: (local root, durable
+        root, retention) of the run's checkpoints, for the durable copies made on a rank's
+        node. ``ENV_RAY_NODE_ADDRESS`` names this node's address where Ray cannot find it."""
         if importlib.util.find_spec("ray") is None:
             raise RayUnavailable("engine: ray needs Ray: pip install 'orchestrator[ray]'")
         self.resources, self.say, self.journal = dict(resources), say, journal
         address = address or os.environ.get("RAY_ADDRESS") or None
         timeout = float(os.environ.get(CONNECT_TIMEOUT_ENV, "60"))
+        node = os.environ.get(ENV_RAY_NODE_ADDRESS) or None
+        here = {"_node_ip_address": node} if node else {}
         try:
             info = rayconnect.connect(address, timeout, include_dashboard=False,
-                                      log_to_driver=False, configure_logging=False)
+                                      log_to_driver=False, configure_logging=False, **here)
         except rayconnect.ConnectError as exc:
             self._journal(Event.ENGINE_UNAVAILABLE, address=address, reason=str(exc))
             raise RayUnavailable(str(exc)) from exc
@@ -127,6 +189,9 @@ class RayEngine:
         self.Host = _host_class(ray)
         self.pg = None
         self.hosts: list = []
+        self.nodes: list = []  # (address, node_key) of each placed rank
+        self.tiers = tiers
+        self.here = relay.node_key()
 
     def open(self, size: int) -> list[tuple[str, str]]:
         from ray.util.placement_group import placement_group
@@ -145,7 +210,9 @@ class RayEngine:
             num_cpus=cpus, num_gpus=gpus, resources=other or None,
             scheduling_strategy=PlacementGroupSchedulingStrategy(
                 self.pg, placement_group_bundle_index=i)).remote() for i in range(size)]
-        return [tuple(p) for p in self.ray.get([h.place.remote() for h in self.hosts])]
+        places = self.ray.get([h.place.remote() for h in self.hosts])
+        self.nodes = [(ip, key) for _, _, ip, key in places]
+        return [(host, addr) for host, addr, _, _ in places]
 
     @staticmethod
     def placement_timeout() -> float:
@@ -158,10 +225,32 @@ class RayEngine:
     def spawn(self, m: Member, cmd: list[str], env: dict, cwd: str, events) -> None:
         host = self.hosts[m.rank]
         m.handle = host
-        m.pid, m.identity = self.ray.get(host.start.remote(cmd, env, cwd, m.log))
+        m.node, key = self.nodes[m.rank]
+        away = key != self.here  # its control folder is not ours: relay its files too
+        tiers = self.tiers if away and m.rank == 0 else None  # the chief commits checkpoints
+        control = m.control or os.path.dirname(os.path.dirname(m.log))
+        m.pid, m.identity, cursor = self.ray.get(host.start.remote(
+            cmd, env, cwd, m.log, control, away, tiers))
         pending = host.wait.remote(m.error_record, m.log)
+        deliver = relay.Delivery(m.rank, control, m.log, self.journal, events)
+
+        def relay_until_exit(cur):
+            """The rank's beats, journal and log, until its exit; then what it left last."""
+            while True:
+                call = host.relay.remote(cur, 2.0)
+                ready, _ = self.ray.wait([pending, call], num_returns=1)
+                exited = pending in ready
+                try:
+                    cur, updates = self.ray.get(call)
+                    deliver(updates)
+                    if exited:
+                        deliver(self.ray.get(host.relay.remote(cur, 0.0))[1])
+                        return
+                except self.ray.exceptions.RayError:
+                    return  # its actor or node died: the exit's watch says so
 
         def watch():
+            relay_until_exit(cursor)
             try:
                 rc, record, tail = self.ray.get(pending)
             except self.ray.exceptions.RayError as exc:  # the actor's process or node died
@@ -176,11 +265,12 @@ class RayEngine:
         m.handle.signal.remote(sig)
 
     def kill(self, m: Member, grace: float) -> None:
+        """Stop its worker through its actor; the actor stays until the next placement (its
+        wait() tells the exit, the relay drains and the node's durable copies are made)."""
         try:
             self.ray.get(m.handle.stop.remote(grace), timeout=grace + 30)
         except self.ray.exceptions.RayError as exc:  # its node died: so did its worker
             m.info.setdefault("lost", f"{type(exc).__name__} while stopping it")
-        finally:
             self.ray.kill(m.handle)
 
     def close(self) -> None:

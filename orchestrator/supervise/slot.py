@@ -107,5 +107,5 @@ def watch(observer: Observer, slot: WorkerSlot, store: TieredStore, rd: RunDir) 
     observer.schedule(_CheckpointEvents(slot.events), store.local.root, recursive=True)
     if os.path.isdir(rd.checkpoints):  # commits a worker made there directly
         observer.schedule(_CheckpointEvents(slot.events), rd.checkpoints)
-    observer.schedule(HeartbeatEvents(slot.events), rd.control, recursive=False)
+    observer.schedule(HeartbeatEvents(slot.events, rd.control), rd.control, recursive=True)
     observer.start()

@@ -239,8 +239,10 @@ class Supervisor:
         if self.spec.engine == "ray":
             from orchestrator.supervise.rayengine import RayEngine
 
+            store = self.checkpoints.store  # ranks on other nodes make their durable copies
             return RayEngine(self.spec.address, dict(self.spec.worker_resources), self.say,
-                             journal=self.journal)
+                             journal=self.journal, tiers=(store.local.root, store.durable.root,
+                                                          self.spec.checkpoint.retention))
         return LocalEngine()
 
     def _group_restore_step(self) -> str:

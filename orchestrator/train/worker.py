@@ -179,6 +179,8 @@ def run(prep: Prepared, rd: RunDir, attempt: int, progress, t_start: float, mark
     injector = Injector.from_env(rd.control, attempt, journal)
     states = CallbackStates(job_callbacks)
 
+    if _in_group():
+        _sees_run_dir(rd, rank)
     store = injector.wrap_store(tiers.for_spec(spec))  # commits: local tier
     store.remove_partial()
     skipped = []
@@ -309,6 +311,22 @@ def run(prep: Prepared, rd: RunDir, attempt: int, progress, t_start: float, mark
 
         export.at_end(spec, rd, store, model, journal, heart, attempt, injector)
     return {"epochs": progress.epoch, "fingerprint": state.fingerprint(model)}
+
+
+def _sees_run_dir(rd: RunDir, rank: int) -> None:
+    """A rank of a group restores from, and its chief's node copies to, the run directory: a
+    node that does not see it (no shared mount there) is named once, with the path, as a job
+    error (not retried: every attempt would fail the same way), before any training."""
+    from orchestrator.train import multiworker
+
+    if os.path.isfile(rd.run_info):
+        return
+    group = multiworker.cluster()
+    node = group.host if group else "?"
+    raise JobError(f"rank {rank} on node {node} ({os.uname().nodename}) cannot see the run "
+                   f"directory {rd.root} (no {os.path.basename(rd.run_info)} there): every "
+                   f"node of a group must mount it at the same path (NFS, gcsfuse, a Drive "
+                   f"mount)")
 
 
 def _in_group() -> bool:
