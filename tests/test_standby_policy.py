@@ -49,6 +49,42 @@ def test_the_evidence_is_the_run_s_own_journal():
 SLOW = {"batches": 3, "epoch_s": 0.6}
 
 
+def test_standbys_discarded_warming_up_twice_stop_until_attempts_train_longer_than_that():
+    """Kills every few seconds on 2 cores (bench --quick's goodput run): each standby was
+    discarded still warming up, its warm-up slowing the worker for nothing."""
+    ev = Evidence(attempts_ended=4, killed=4, cold_start_s=12.0, warm_up_s=None,
+                  unready_s=(4.3, 9.8), trained_s=(4.1, 3.2, 9.8, 4.0))
+    ok, why = worth_it("cpu", 2, ev)
+    assert not ok and "the last 2 standbys were discarded still warming up" in why, why
+    assert "after up to 9.8 s" in why and "killed 4.0 s after their first step" in why
+    # one discarded is not yet a pattern; attempts that now train longer get one again
+    assert worth_it("cpu", 2, Evidence(4, 4, 12.0, None, (9.8,), (4.1, 3.2, 9.8, 4.0)))[0]
+    assert worth_it("cpu", 2, Evidence(4, 4, 12.0, None, (4.3, 9.8), (30.0, 25.0, 40.0)))[0]
+    # and on a GPU the rule never applies (the CPU is spare)
+    assert worth_it("gpu", 2, ev)[0]
+
+
+def test_the_evidence_counts_standbys_discarded_warming_up_since_the_last_ready_one():
+    t = 1000.0
+    events = [
+        {"event": "attempt_started", "attempt": 1, "ts": t, "path": "cold"},
+        {"event": "first_step", "attempt": 1, "ts": t + 12, "since_start_s": 12.0},
+        {"event": "standby_started", "pid": 7, "ts": t + 12},
+        {"event": "attempt_ended", "attempt": 1, "kind": "killed", "ts": t + 16},
+        {"event": "standby_discarded", "pid": 7, "was_alive": True, "was_ready": False,
+         "age_s": 4.3, "ts": t + 16},
+        {"event": "standby_started", "pid": 8, "ts": t + 30},
+        {"event": "standby_ready", "pid": 8, "ts": t + 38},
+        {"event": "standby_started", "pid": 9, "ts": t + 40},
+        {"event": "standby_discarded", "pid": 9, "was_alive": True,  # an older journal's words
+         "reason": "it was still warming up (5.0 s)", "age_s": 5.0, "ts": t + 45},
+        {"event": "standby_discarded", "pid": 10, "was_alive": True, "was_ready": True,
+         "age_s": 20.0, "ts": t + 60},
+    ]
+    ev = Evidence.from_journal(events, is_preemption)
+    assert ev.unready_s == (5.0,) and ev.warm_up_s == 8.0 and ev.trained_s == (4.0,)
+
+
 @pytest.mark.integration
 def test_auto_on_two_cores_starts_the_first_standby_after_the_first_kill(fake_job, monkeypatch):
     monkeypatch.setattr(standby_policy, "cores", lambda: 2)

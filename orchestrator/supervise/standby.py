@@ -145,7 +145,7 @@ class Standby:
                 self.proc.stdin.close()
         self.journal.append(Event.STANDBY_DISCARDED, for_attempt=self.for_attempt,
                             pid=self.proc.pid, reason=reason, was_alive=alive,
-                            age_s=round(time.time() - self.t0, 3))
+                            was_ready=self.ready(), age_s=round(time.time() - self.t0, 3))
 
 
 class StandbyKeeper:

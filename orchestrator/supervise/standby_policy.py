@@ -35,6 +35,8 @@ SPARE_CORES = 4
 # Until the run has its own figures: the bench's digits cold start and warm-up on 2 cores.
 DEFAULT_COLD_START_S = 7.6
 DEFAULT_WARM_UP_S = 8.0
+# Standbys discarded still warming up, one after another, before auto stops starting them.
+UNREADY_IN_A_ROW = 2
 
 
 @dataclass(frozen=True)
@@ -45,27 +47,46 @@ class Evidence:
     killed: int = 0
     cold_start_s: float | None = None   # median process start -> first step, cold attempts
     warm_up_s: float | None = None      # the last standby: started -> ready
+    # standbys discarded still warming up since the last one that was ready: their ages (each a
+    # lower bound on a warm-up here), and killed attempts' training time, first step -> kill
+    unready_s: tuple = ()
+    trained_s: tuple = ()
 
     @classmethod
     def from_journal(cls, events, is_kill) -> "Evidence":
         started, cold, warm_up, ended, killed = {}, [], None, 0, 0
-        standby_t0 = {}
+        standby_t0, first, unready, trained = {}, {}, [], []
         for e in events:
             name = e.get("event")
             if name == Event.ATTEMPT_STARTED:
                 started[e.get("attempt")] = e
             elif name == Event.FIRST_STEP:
+                first[e.get("attempt")] = e.get("ts")
                 a = started.get(e.get("attempt")) or {}
                 if a.get("path", "cold") == "cold" and e.get("since_start_s") is not None:
                     cold.append(float(e["since_start_s"]))
             elif name == Event.ATTEMPT_ENDED and e.get("kind"):
                 ended += 1
                 killed += bool(is_kill(e["kind"]))
+                t0 = first.get(e.get("attempt"))
+                if is_kill(e["kind"]) and t0 is not None and e.get("ts") is not None:
+                    trained.append(round(e["ts"] - t0, 3))
             elif name == Event.STANDBY_STARTED:
                 standby_t0[e.get("pid")] = e.get("ts")
             elif name == Event.STANDBY_READY and standby_t0.get(e.get("pid")) is not None:
                 warm_up = round(e["ts"] - standby_t0[e["pid"]], 3)
-        return cls(ended, killed, statistics.median(cold) if cold else None, warm_up)
+                unready = []
+            elif name == Event.STANDBY_DISCARDED and e.get("was_alive") and not _was_ready(e):
+                unready.append(float(e.get("age_s") or 0.0))
+        return cls(ended, killed, statistics.median(cold) if cold else None, warm_up,
+                   tuple(unready), tuple(trained))
+
+
+def _was_ready(discarded: dict) -> bool:
+    """A discarded standby had warmed up (journals older than ``was_ready`` say it in words)."""
+    if "was_ready" in discarded:
+        return bool(discarded["was_ready"])
+    return "warming up" not in (discarded.get("reason") or "")
 
 
 def cores() -> int:
@@ -86,6 +107,17 @@ def worth_it(strategy: str, n_cores: int, ev: Evidence) -> tuple[bool, str]:
         return False, (f"no kill in this run yet: on {n_cores} core(s) a standby's warm-up "
                        f"slows a CPU-bound worker ({1 + WARM_UP_SLOWDOWN:.2f}x for its ~"
                        f"{ev.warm_up_s or DEFAULT_WARM_UP_S:.0f} s, measured) for no gain")
+    if len(ev.unready_s) >= UNREADY_IN_A_ROW:
+        # Kills that come before a standby is ready make it all cost: measured (bench --quick,
+        # goodput, 2 cores, kills every ~20 s): 7 standbys of 7 discarded warming up, goodput
+        # 0.20 against 0.25 with none. Tried again once attempts train longer than that.
+        need = max(ev.unready_s)
+        recent = statistics.median(ev.trained_s[-3:]) if ev.trained_s else 0.0
+        if recent <= need:
+            return False, (f"the last {len(ev.unready_s)} standbys were discarded still warming "
+                           f"up (after up to {need:.1f} s), and attempts are killed "
+                           f"{recent:.1f} s after their first step (median of the last "
+                           f"{min(len(ev.trained_s), 3)}): a standby would not be ready in time")
     share = ev.killed / max(ev.attempts_ended, 1)
     cold = ev.cold_start_s or DEFAULT_COLD_START_S
     warm_up = ev.warm_up_s or DEFAULT_WARM_UP_S
