@@ -13,7 +13,10 @@ worker is then killed. So ``standby: auto`` decides per attempt, from the run's 
   it is expected to save beats what its warm-up costs: (the share of attempts that ended in
   a kill) x (the run's cold start) > (the last warm-up's length) x ``WARM_UP_SLOWDOWN`` x
   2 / cores. Every figure is the run's own where it has one (journaled ``first_step`` of cold
-  attempts, ``standby_ready``), the bench's otherwise.
+  attempts, ``standby_ready``), the bench's otherwise;
+- and none once two standbys in a row were discarded still warming up (the kills come before a
+  standby is ready: its warm-up only slows the worker), until killed attempts train longer
+  after their first step than the oldest of them had warmed up.
 
 ``standby: on`` always starts one (where the device allows), ``off`` never; the decision and
 its figures are journaled whenever it changes (``standby_decided``).
