@@ -92,3 +92,19 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True  # it exists, owned by someone else
     return True
+
+
+def file_size(path: str) -> int:
+    """Its size; 0 for a file not there yet. Any other OSError (a run directory whose mount
+    is gone) is the caller's to see."""
+    try:
+        return os.stat(path).st_size
+    except FileNotFoundError:
+        return 0
+
+
+def complete_lines(data: bytes) -> bytes:
+    """``data`` up to its last newline: a torn last line (a writer killed mid-line, or one still
+    writing) waits for its end."""
+    end = data.rfind(b"\n")
+    return data[:end + 1] if end >= 0 else b""

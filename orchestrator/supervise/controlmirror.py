@@ -35,7 +35,7 @@ from tenacity import wait_exponential
 from orchestrator.core import heartbeat
 from orchestrator.core.clock import SYSTEM, Clock
 from orchestrator.core.journal import append_lines
-from orchestrator.core.osutil import is_missing, write_atomic
+from orchestrator.core.osutil import complete_lines, file_size, is_missing, write_atomic
 from orchestrator.core.outage import Outage
 from orchestrator.core.rundir import ATTEMPTS_DIR, FAULTS_DIR, JOURNAL_FILE, RunDir
 
@@ -45,17 +45,12 @@ CONTROL_SYNC_S = 0.5
 RETRY_WAIT = wait_exponential(multiplier=CONTROL_SYNC_S, max=5.0)
 
 
-def _complete_lines(data: bytes) -> bytes:
-    end = data.rfind(b"\n")
-    return data[:end + 1] if end >= 0 else b""
-
-
 def journal_lines(path: str) -> tuple[list[bytes], int]:
     """The journal's complete, parseable lines (a torn line of a killed writer is dropped) and
     the bytes they span. Raises OSError when it cannot be read; a missing file has none."""
     try:
         with open(path, "rb") as f:
-            data = _complete_lines(f.read())
+            data = complete_lines(f.read())
     except FileNotFoundError:
         return [], 0
     out = []
@@ -118,7 +113,7 @@ class ControlMirror:
             merged = b"".join(theirs + to_durable)
             write_atomic(local, merged)
             read = len(merged)
-        self._appended[JOURNAL_FILE] = (read, _size(durable))
+        self._appended[JOURNAL_FILE] = (read, file_size(durable))
         src = os.path.join(self.rd.root, FAULTS_DIR)
         if os.path.isdir(src):
             os.makedirs(self.rd.faults, exist_ok=True)
@@ -211,8 +206,8 @@ class ControlMirror:
             f.seek(local_off)
             data = f.read()
         if rel == JOURNAL_FILE:
-            data = _complete_lines(data)
-        if durable_size is None or _size(dest) != durable_size:
+            data = complete_lines(data)
+        if durable_size is None or file_size(dest) != durable_size:
             self._resync(rel, src, dest)
             return
         if data:
@@ -251,7 +246,7 @@ class ControlMirror:
         for rel, append in self._files() if self.mirrored else []:
             src = os.path.join(self.rd.control, rel)
             if append:
-                behind = max(0, _size(src) - self._appended.get(rel, (0, None))[0])
+                behind = max(0, file_size(src) - self._appended.get(rel, (0, None))[0])
                 if rel == JOURNAL_FILE:
                     try:
                         with open(src, "rb") as f:
@@ -275,13 +270,6 @@ class _Retry:
 
     def __init__(self, attempt_number: int):
         self.attempt_number = attempt_number
-
-
-def _size(path: str) -> int:
-    try:
-        return os.stat(path).st_size
-    except FileNotFoundError:
-        return 0
 
 
 

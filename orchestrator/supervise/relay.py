@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from orchestrator.core import heartbeat
 from orchestrator.core.clock import SYSTEM, Clock
 from orchestrator.core.journal import Journal, append_lines
-from orchestrator.core.osutil import read_json, write_json_atomic
+from orchestrator.core.osutil import complete_lines, file_size, read_json, write_json_atomic
 from orchestrator.core.rundir import JOURNAL_FILE
 from orchestrator.supervise.messages import Beat
 
@@ -65,13 +65,6 @@ class Cursor:
     log: int = 0
 
 
-def _size(path: str) -> int:
-    try:
-        return os.path.getsize(path)
-    except OSError:
-        return 0
-
-
 def _new_lines(path: str, offset: int) -> bytes:
     """Whole lines of ``path`` from ``offset`` (a torn last line waits for its end)."""
     try:
@@ -80,8 +73,8 @@ def _new_lines(path: str, offset: int) -> bytes:
             data = f.read(CHUNK)
     except OSError:
         return b""
-    end = data.rfind(b"\n")
-    return data[:end + 1] if end >= 0 else (data if len(data) == CHUNK else b"")
+    # (a line longer than a chunk goes in pieces rather than never)
+    return data if len(data) == CHUNK and b"\n" not in data else complete_lines(data)
 
 
 class RankFiles:
@@ -97,7 +90,7 @@ class RankFiles:
     def cursor(self) -> Cursor:
         """Now, before the rank starts: what earlier attempts left on this node is not news."""
         beat = read_json(self.heartbeat) or {}
-        return Cursor(float(beat.get("time", 0.0)), _size(self.journal), _size(self.log))
+        return Cursor(float(beat.get("time", 0.0)), file_size(self.journal), file_size(self.log))
 
     def read(self, cur: Cursor) -> tuple[Cursor, dict]:
         """What changed since ``cur``: ``beat`` (the record), ``journal`` and ``log`` (bytes)."""
