@@ -55,7 +55,7 @@ class CompileCache:
         # cache of hundreds of entries into every run directory, a Drive folder, would cost
         # each run that much upload). Those found there at start are skipped.
         self.shared = shared
-        self._found: frozenset = frozenset()
+        self.found: frozenset = frozenset()  # the entries here once pulled (the start's)
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._said = False
@@ -81,8 +81,7 @@ class CompileCache:
             self._say(f"not pulled from {self.durable} ({exc}); compiling afresh")
             return 0
         finally:
-            if self.shared:
-                self._found = frozenset(os.listdir(self.local))
+            self.found = frozenset(n for n in os.listdir(self.local) if not n.startswith("."))
 
     def enable(self) -> None:
         """Point JAX at the local folder, caching every executable (JAX's defaults skip those
@@ -109,7 +108,8 @@ class CompileCache:
 
     def push(self) -> int:
         try:
-            n = _copy_missing(self.local, self.durable, skip=self._found)
+            n = _copy_missing(self.local, self.durable,
+                              skip=self.found if self.shared else frozenset())
         except OSError as exc:
             self._say(f"not copied to {self.durable} yet ({exc}); tried again later")
             return 0

@@ -203,8 +203,6 @@ class JaxBackend:
 
         self.cache = CompileCache.for_spec(spec)
         self._pulled = self.cache.pull()
-        self._entries_at_start = len([n for n in os.listdir(self.cache.local)
-                                      if not n.startswith(".")])
 
     def after_compile(self) -> None:
         """New executables were compiled (the first step, an epoch's evaluation): mirror the
@@ -218,7 +216,7 @@ class JaxBackend:
         facts = {}
         if self.cache is not None:
             facts["compile_cache"] = {"dir": self.cache.local, "pulled": self._pulled,
-                                      "entries_at_start": self._entries_at_start}
+                                      "entries_at_start": len(self.cache.found)}
         if self.group is not None:
             facts["distributed"] = {"coordinator": self.group.coordinator,
                                     "processes": self.group.size, "process": self.group.rank}
