@@ -169,7 +169,14 @@ def ray_cluster(tmp_path_factory):
                 procs.append(subprocess.Popen(
                     ["unshare", "--mount", "--propagation", "private", sys.executable,
                      os.path.join(ROOT, "tests", "fakes", "ray_node.py"), ip, address, "1"],
-                    env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+                    env=dict(env, PYTHONUNBUFFERED="1"), stdout=log,
+                    stderr=subprocess.STDOUT, start_new_session=True))
+        # every worker node joined (`ray start` says so once it is registered) before a test
+        # asks for placement: a run started before then waited out its 120 s placement bound
+        for ip, node in zip(NODES, procs[1:]):
+            log = tmp / f"node-{ip}.log"
+            wait_while_running(node, lambda: "Ray runtime started" in log.read_text(
+                errors="replace"), what=f"the Ray node {ip} joined (its log: {log})")
         yield address, procs
     finally:
         for p in reversed(procs):
