@@ -22,7 +22,9 @@ from orchestrator.recovery.actions import Remedies
 from orchestrator.recovery.policy import Decision
 
 # The standby's own serve(), import-only, on the digits job on JAX: where it would wait for the
-# promotion line, report what JAX and Keras hold (and pretend the pipe closed: it exits 0).
+# promotion line, report what JAX and Keras hold (and pretend the pipe closed: it exits 0). It
+# keeps its priority: at nice 19 beside two busy loops its imports took 221 s; what it imports is
+# the point here, and the priority is test_standby's.
 _STANDBY = r"""
 import json, sys, time
 from orchestrator.core.rundir import RunDir
@@ -43,6 +45,7 @@ def report(stream):
     return None
 
 standby.wait_for_promotion = report
+standby.lower_priority = lambda: 0
 spec = load(sys.argv[1], run_dir=sys.argv[2], backend="jax")
 from types import SimpleNamespace
 from orchestrator.train import worker
