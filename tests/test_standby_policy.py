@@ -87,9 +87,12 @@ def test_the_evidence_counts_standbys_discarded_warming_up_since_the_last_ready_
 
 @pytest.mark.integration
 def test_auto_on_two_cores_starts_the_first_standby_after_the_first_kill(fake_job, monkeypatch):
+    """The first kill after 4 s of training, the second 2 s into the next attempt: a standby
+    started once attempt 2 trains is expected to be ready before the next kill (its warm-up
+    taken as the fake's cold start)."""
     monkeypatch.setattr(standby_policy, "cores", lambda: 2)
-    plan = dict(SLOW, exit_at_epoch={"1": [2, -9], "2": [4, -9]})
-    rc, out, events = supervise(fake_job(epochs=6), plan, standby=True)
+    plan = dict(SLOW, epoch_s=1.0, exit_at_epoch={"1": [5, -9], "2": [7, -9]})
+    rc, out, events = supervise(fake_job(epochs=8), plan, standby=True)
     assert rc == 0, out
     decided = [(e["for_attempt"], e["mode"]) for e in events if e["event"] == "standby_decided"]
     assert decided[0] == (2, None) and (3, "warm") in decided, decided
@@ -97,3 +100,40 @@ def test_auto_on_two_cores_starts_the_first_standby_after_the_first_kill(fake_jo
                                              if e["event"] == "standby_decided")
     paths = [e["path"] for e in events if e["event"] == "attempt_started"]
     assert paths == ["cold", "cold", "warm"], paths
+
+
+def test_none_when_the_next_kill_is_expected_before_a_standby_would_be_ready():
+    """bench --quick's goodput run: ResNet-20 on 2 cores, a kill every ~20 s, a cold start of
+    12 s; a standby starts once its worker's start-up is done, so after a cold start it has
+    ~5 s, and every one was discarded still warming up."""
+    ev = Evidence(attempts_ended=1, killed=1, cold_start_s=12.0, kill_gaps_s=(16.7,),
+                  last_kill_ts=100.0)
+    ok, why = worth_it("cpu", 2, ev, now=112.3)
+    assert not ok and "kills come every 16.7 s" in why and "expected in 4.4 s" in why, why
+    assert "(12.0 s warm-up)" in why  # no standby was ready here yet: a cold start's length
+    # after a warm start (under a second) it has nearly all of the gap
+    assert worth_it("cpu", 2, ev, now=100.8)[0]
+    # a warm-up measured here is the figure, and one discarded later at an older age bounds it
+    ready = Evidence(1, 1, 12.0, 6.0, kill_gaps_s=(20.0,), last_kill_ts=100.0)
+    assert worth_it("cpu", 2, ready, now=108.0)[0]
+    slower = Evidence(1, 1, 12.0, 6.0, unready_s=(13.0,), kill_gaps_s=(20.0,), last_kill_ts=100.0)
+    assert not worth_it("cpu", 2, slower, now=108.0)[0]
+    # the median of the last three gaps: one long gap does not decide it
+    ev = Evidence(3, 3, 12.0, 6.0, kill_gaps_s=(120.0, 9.0, 10.0, 11.0), last_kill_ts=100.0)
+    assert not worth_it("cpu", 2, ev, now=105.0)[0]
+    # where the CPU is spare the timing does not matter
+    assert worth_it("gpu", 2, ev, now=105.0)[0]
+
+
+def test_the_gaps_between_kills_are_counted_per_session():
+    events = [
+        {"event": "run_started", "ts": 0.0},
+        {"event": "attempt_started", "attempt": 1, "ts": 0.5, "path": "cold"},
+        {"event": "attempt_ended", "attempt": 1, "kind": "killed", "ts": 16.7},
+        {"event": "attempt_ended", "attempt": 2, "kind": "storage", "ts": 20.0},  # not a kill
+        {"event": "attempt_ended", "attempt": 3, "kind": "killed", "ts": 34.8},
+        {"event": "run_resumed", "ts": 5000.0},  # a day later: not a gap between kills
+        {"event": "attempt_ended", "attempt": 4, "kind": "killed", "ts": 5030.0},
+    ]
+    ev = Evidence.from_journal(events, is_preemption)
+    assert ev.kill_gaps_s == (16.7, 18.1, 30.0) and ev.last_kill_ts == 5030.0

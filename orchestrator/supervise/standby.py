@@ -180,7 +180,8 @@ class StandbyKeeper:
         if setting == "auto" and mode == WARM:
             evidence = standby_policy.Evidence.from_journal(self.journal.events(),
                                                            is_preemption)
-            ok, figures = standby_policy.worth_it(strategy, self.cores(), evidence)
+            ok, figures = standby_policy.worth_it(strategy, self.cores(), evidence,
+                                                  now=time.time())
             return (WARM if ok else None), f"auto: {figures}"
         return mode, why
 

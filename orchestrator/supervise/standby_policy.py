@@ -14,6 +14,15 @@ worker is then killed. So ``standby: auto`` decides per attempt, from the run's 
   a kill) x (the run's cold start) > (the last warm-up's length) x ``WARM_UP_SLOWDOWN`` x
   2 / cores. Every figure is the run's own where it has one (journaled ``first_step`` of cold
   attempts, ``standby_ready``), the bench's otherwise;
+- and none when the next kill is expected before a standby would be ready: kills have come
+  every G s (the median of the last three gaps between kills, the first from the session's
+  start), the last one T s ago, and a warm-up takes W s (the last one's, or longer if later
+  ones were discarded still warming up; the run's cold start until one was ready): none if
+  G - T <= W. A standby starts when its
+  worker's start-up is done, so after a cold start of C s it has G - C s: measured (bench
+  --quick, goodput, ResNet-20 on 2 cores, kills every ~20 s, C ~12 s), every standby was
+  discarded still warming up and the run's goodput fell to 0.244 against 0.308 with none. After a
+  warm start (C < 1 s) it has nearly all of G;
 - and none once two standbys in a row were discarded still warming up (the kills come before a
   standby is ready: its warm-up only slows the worker), until killed attempts train longer
   after their first step than the oldest of them had warmed up.
@@ -54,14 +63,20 @@ class Evidence:
     # lower bound on a warm-up here), and killed attempts' training time, first step -> kill
     unready_s: tuple = ()
     trained_s: tuple = ()
+    # the gaps between kills in this session (the first from its start), and the last kill's time
+    kill_gaps_s: tuple = ()
+    last_kill_ts: float | None = None
 
     @classmethod
     def from_journal(cls, events, is_kill) -> "Evidence":
         started, cold, warm_up, ended, killed = {}, [], None, 0, 0
         standby_t0, first, unready, trained = {}, {}, [], []
+        since, gaps, last_kill = None, [], None  # since: the session's start, then each kill
         for e in events:
             name = e.get("event")
-            if name == Event.ATTEMPT_STARTED:
+            if name in (Event.RUN_STARTED, Event.RUN_RESUMED):
+                since = e.get("ts")
+            elif name == Event.ATTEMPT_STARTED:
                 started[e.get("attempt")] = e
             elif name == Event.FIRST_STEP:
                 first[e.get("attempt")] = e.get("ts")
@@ -72,8 +87,12 @@ class Evidence:
                 ended += 1
                 killed += bool(is_kill(e["kind"]))
                 t0 = first.get(e.get("attempt"))
-                if is_kill(e["kind"]) and t0 is not None and e.get("ts") is not None:
-                    trained.append(round(e["ts"] - t0, 3))
+                if is_kill(e["kind"]) and e.get("ts") is not None:
+                    if t0 is not None:
+                        trained.append(round(e["ts"] - t0, 3))
+                    if since is not None:
+                        gaps.append(round(e["ts"] - since, 3))
+                    since = last_kill = e["ts"]
             elif name == Event.STANDBY_STARTED:
                 standby_t0[e.get("pid")] = e.get("ts")
             elif name == Event.STANDBY_READY and standby_t0.get(e.get("pid")) is not None:
@@ -82,7 +101,7 @@ class Evidence:
             elif name == Event.STANDBY_DISCARDED and e.get("was_alive") and not _was_ready(e):
                 unready.append(float(e.get("age_s") or 0.0))
         return cls(ended, killed, statistics.median(cold) if cold else None, warm_up,
-                   tuple(unready), tuple(trained))
+                   tuple(unready), tuple(trained), tuple(gaps), last_kill)
 
 
 def _was_ready(discarded: dict) -> bool:
@@ -100,8 +119,10 @@ def cores() -> int:
         return os.cpu_count() or 1
 
 
-def worth_it(strategy: str, n_cores: int, ev: Evidence) -> tuple[bool, str]:
-    """``auto``'s answer for one attempt on ``strategy`` (tpu|gpu|cpu), with why in numbers."""
+def worth_it(strategy: str, n_cores: int, ev: Evidence,
+             now: float | None = None) -> tuple[bool, str]:
+    """``auto``'s answer for one attempt on ``strategy`` (tpu|gpu|cpu), with why in numbers;
+    ``now``: the time a standby would start (its worker's start-up done)."""
     if strategy in ("gpu", "tpu"):
         return True, f"the worker trains on the {strategy.upper()}: the CPU is spare"
     if n_cores >= SPARE_CORES:
@@ -121,9 +142,20 @@ def worth_it(strategy: str, n_cores: int, ev: Evidence) -> tuple[bool, str]:
                            f"up (after up to {need:.1f} s), and attempts are killed "
                            f"{recent:.1f} s after their first step (median of the last "
                            f"{min(len(ev.trained_s), 3)}): a standby would not be ready in time")
+    # until a standby here was ready, its warm-up is taken to be as long as a cold start (the
+    # same imports, build and trace), and at least as long as those discarded unready had run
+    warm_up = ev.warm_up_s or ev.cold_start_s or DEFAULT_WARM_UP_S
+    if ev.kill_gaps_s and ev.last_kill_ts is not None and now is not None:
+        gap = statistics.median(ev.kill_gaps_s[-3:])
+        left = gap - (now - ev.last_kill_ts)
+        ready_in = max((warm_up, *ev.unready_s))
+        if left <= ready_in:
+            return False, (f"kills come every {gap:.1f} s (median of the last "
+                           f"{min(len(ev.kill_gaps_s), 3)}), the last {now - ev.last_kill_ts:.1f}"
+                           f" s ago: the next is expected in {left:.1f} s, before a standby "
+                           f"would be ready ({ready_in:.1f} s warm-up)")
     share = ev.killed / max(ev.attempts_ended, 1)
     cold = ev.cold_start_s or DEFAULT_COLD_START_S
-    warm_up = ev.warm_up_s or DEFAULT_WARM_UP_S
     gain = share * cold
     cost = warm_up * WARM_UP_SLOWDOWN * 2 / n_cores
     figures = (f"{ev.killed} of {ev.attempts_ended} attempts killed x {cold:.1f} s cold start "

@@ -33,6 +33,8 @@ import sys
 import time
 import traceback
 
+T_START = time.time()  # the real worker's first_step counts its start-up from here too
+
 from orchestrator.checkpoint import tiers
 from orchestrator.recovery.faults import Injector
 from orchestrator.core.heartbeat import HeartbeatWriter, Position, register_stack_dump
@@ -175,7 +177,8 @@ def train(spec, rd, attempt, plan, progress):
         for step in range(1, STEPS + 1):
             time.sleep(plan.get("epoch_s", 0.02) / STEPS)
             if epoch == start + 1 and step == 1:
-                journal.append("first_step", source="worker", attempt=attempt)
+                journal.append("first_step", source="worker", attempt=attempt,
+                               since_start_s=round(time.time() - T_START, 3))
             progress.batch, progress.step = step, (epoch - 1) * STEPS + step
             batch = step * batches // STEPS  # the batches of the plan, spread over the steps
             if batch > (step - 1) * batches // STEPS:
