@@ -273,12 +273,13 @@ def test_ray_three_nodes_a_hung_rank_0_then_a_killed_rank_1_end_bit_identical(
     middle of the epoch: the group restarts again, from the copies made durable on the chief's
     node, and ends with the weights of the uninterrupted run. The journal says which node each
     rank was on, the hang and the kill. (hang_timeout 20 s: the first step's trace counts as
-    training; slow steps from step 60 leave the test time to kill in the middle of the epoch.)"""
+    training; slow steps from step 60 leave the test time to kill in the middle of the epoch. The
+    hang is rank 0's alone: `,rank=0`, its claim in the run directory that both nodes see.)"""
     address, nodes = ray_cluster
     job, run = _job(shared_dir, "hang_timeout: 20\n"), shared_dir / "run"
     ctl = live(job, run)
     journal = Journal(ctl.journal)
-    p = _run(job, run, "--engine", "ray", "--fault", "hang@step=70",
+    p = _run(job, run, "--engine", "ray", "--fault", "hang@step=70,rank=0",
              "--fault", "slow-steps@step=60,for=0.1", env=_ray_env(address))
     try:
         _wait(p, lambda: next(journal.iter("hang_detected"), None), what="the hang")
@@ -309,6 +310,10 @@ def test_ray_three_nodes_a_hung_rank_0_then_a_killed_rank_1_end_bit_identical(
     hang = next(e for e in events if e["event"] == "hang_detected")
     assert hang["attempt"] == 1 and 20 <= hang["last_heartbeat_age_s"] < 40, hang
     assert {w["node"] for w in hang["workers"]} == set(NODES)
+    hung = [e for e in events if e["event"] == "fault_injected" and e["fault"].startswith("hang")]
+    assert [(e["attempt"], e["rank"]) for e in hung] == [(1, 0)], hung  # rank 0's journal only
+    others = Journal(os.path.join(ctl.for_rank(1), "events.jsonl")).events("fault_injected")
+    assert not [e for e in others if e["fault"].startswith("hang")], others  # relayed from node
     failed = [e for e in events if e["event"] == "group_member_failed"]
     assert [(e["attempt"], e["rank"], e["exit_code"], e["stopping"]) for e in failed] == \
         [(2, 1, -signal.SIGKILL, [0])] and failed[0]["node"] == rank1["node"]
