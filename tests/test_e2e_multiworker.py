@@ -333,6 +333,10 @@ def test_ray_three_nodes_a_hung_rank_0_then_a_killed_rank_1_end_bit_identical(
     s = run_status(str(run))  # status and the report show the group
     assert [w["rank"] for w in s["workers"]] == [0, 1]
     assert "workers: rank 0 pid" in format_status(s)
+    # every rank's last beat of attempt 3, relayed from its node, with the node
+    assert sorted(r["node"] for r in s["ranks"]) == sorted(NODES), s["ranks"]
+    assert all(r["heartbeat_age_s"] is not None and r["phase"] for r in s["ranks"]), s["ranks"]
+    assert "    rank 1 on 127.0.0." in format_status(s)
 
 
 def test_ray_without_the_clusters_token_is_one_line_and_an_exit(tmp_path, ray_cluster):
