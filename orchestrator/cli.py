@@ -11,6 +11,7 @@ from orchestrator.core.backends import BACKENDS
 from orchestrator.core.spec import ENGINES, SpecError
 from orchestrator.supervise.admission import IncompatibleResume
 from orchestrator.supervise.group import EngineUnavailable
+from orchestrator.recovery.faults import FaultSpecError
 
 EXIT_USAGE = 2
 EXIT_LOCKED = 3
@@ -128,7 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "hang@step=N, raise=KIND@step=N, exit=CODE@step=N, "
                         "corrupt-checkpoint@epoch=N, storage-down@step=N,for=SECONDS, "
                         "kill@checkpoint=N, delay-checkpoint@checkpoint=N,for=SECONDS, "
-                        "disk-full@checkpoint=N, kill@export=1")
+                        "disk-full@checkpoint=N, kill@export=1, slow-steps@step=N,for=SECONDS; "
+                        "any with ,rank=R: only that worker of a group fires it")
     r.add_argument("--force", action="store_true",
                    help="resume even though the model, data or optimizer changed")
     r.add_argument("--workers", type=int, metavar="N",
@@ -227,7 +229,7 @@ def _colab_parser(sub) -> None:
 
 # The errors whose message is the whole answer, and the exit status each gives.
 EXIT_CODES = {SpecError: EXIT_USAGE, IncompatibleResume: EXIT_USAGE, EngineUnavailable: EXIT_USAGE,
-              LockedError: EXIT_LOCKED, RunDirUnreachable: EXIT_RUN_DIR}
+              FaultSpecError: EXIT_USAGE, LockedError: EXIT_LOCKED, RunDirUnreachable: EXIT_RUN_DIR}
 
 
 def main(argv=None) -> int:

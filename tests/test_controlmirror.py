@@ -94,3 +94,22 @@ def test_run_with_a_run_directory_that_never_answers_exits_4_with_a_clear_messag
     err = capsys.readouterr().err
     assert rc == cli.EXIT_RUN_DIR
     assert str(tmp_path / "run") in err and "cannot be written" in err and "Traceback" not in err
+
+
+def test_each_rank_s_heartbeat_is_mirrored_for_status(tmp_path):
+    # a group's rank k beats (or is relayed) into rank-k/ of the control folder; its journal
+    # there is the rank's own and stays local
+    rd, m = _mirror(tmp_path)
+    Journal(rd.journal).append("first_step")
+    for rank in (1, 2):
+        os.makedirs(rd.for_rank(rank))
+        with open(os.path.join(rd.for_rank(rank), "heartbeat.json"), "w") as f:
+            f.write('{"rank": %d}' % rank)
+    Journal(os.path.join(rd.for_rank(1), "events.jsonl")).append("fault_injected")
+    os.makedirs(os.path.join(rd.control, "rank-x"))  # not a rank's folder
+    assert m.sync()
+    for rank in (1, 2):
+        with open(os.path.join(rd.root, f"rank-{rank}", "heartbeat.json")) as f:
+            assert f.read() == '{"rank": %d}' % rank
+    assert not os.path.exists(os.path.join(rd.root, "rank-1", "events.jsonl"))
+    assert not os.path.exists(os.path.join(rd.root, "rank-x"))

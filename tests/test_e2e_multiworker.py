@@ -2,9 +2,10 @@
 
 Placed by the local engine (two processes here, on loopback) and by Ray: a cluster of three
 nodes on this machine. A hang of one rank (local: it stalls the group; the silent heartbeat
-stops it), and on Ray a hang of rank 0 then a SIGKILL of rank 1 in the middle of an epoch: the
-group is stopped each time, restarted from the newest checkpoint, and ends with the weights of
-an uninterrupted 2-worker run. Where Ray is not installed the Ray tests are skipped with the
+stops it), and on Ray a hang of rank 0, a SIGKILL of rank 1, then rank 1's node stopped and
+started again, each in the middle of an epoch: the group is stopped each time, restarted from
+the newest checkpoint (the last time once the node is back), and ends with the weights of an
+uninterrupted 2-worker run. Where Ray is not installed the Ray tests are skipped with the
 reason.
 
 The Ray cluster (``ray_cluster``) is as real machines are, on one:
@@ -109,6 +110,10 @@ def reference(tmp_path_factory):
 RAY_TOKEN = "orchestrator-suite-" + os.urandom(8).hex()
 RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0"}
 HEAD, NODES = "127.0.0.4", ("127.0.0.2", "127.0.0.3")
+# A node stopped (SIGTERM to its `ray start --block`) goes at once, as `ray stop` on it would:
+# Ray 2.60 otherwise drains it first for up to 30 s, its actors and ranks running on meanwhile
+# (measured: the whole rest of the run trained on a node being stopped).
+NODE_ENV = {"RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
 
 
 @pytest.fixture(scope="module")
@@ -141,46 +146,80 @@ def _stop(proc) -> None:
     proc.wait()
 
 
+class RayCluster:
+    """The cluster's address and the processes of its nodes (the head first), each node started
+    and stopped by its pid: ``stop_node`` is a machine leaving the cluster (SIGTERM to its
+    ``ray start --block``, as ``ray stop`` on it), ``start_node`` the same machine back, a new
+    Ray node at the same address with an empty /tmp."""
+
+    def __init__(self, tmp, env):
+        self.tmp, self.env, self.address = tmp, env, None
+        self.head, self.nodes = None, {}  # ip -> the node's process (the latest)
+        self.stopped: list = []
+
+    @property
+    def procs(self) -> list:
+        return [self.head, *self.nodes.values()]
+
+    def start_head(self) -> None:
+        with open(self.tmp / "head.log", "wb") as log:
+            self.head = subprocess.Popen(
+                [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
+                 "--num-cpus=0", "--include-dashboard=false", f"--temp-dir={self.tmp}",
+                 "--port=0", f"--node-ip-address={HEAD}"], env=self.env, stdout=log,
+                stderr=subprocess.STDOUT, start_new_session=True)
+        current = self.tmp / "ray_current_cluster"
+        wait_while_running(self.head, lambda: current.exists() and current.read_text().strip(),
+                           what=f"the Ray head up (its log: {self.tmp / 'head.log'})")
+        self.address = current.read_text().strip()
+        assert self.address.startswith(f"{HEAD}:"), self.address
+
+    def start_node(self, ip: str, wait: bool = True) -> None:
+        log = self.tmp / f"node-{ip}-{len(self.stopped)}.log"
+        with open(log, "wb") as out:
+            self.nodes[ip] = subprocess.Popen(
+                ["unshare", "--mount", "--propagation", "private", sys.executable,
+                 os.path.join(ROOT, "tests", "fakes", "ray_node.py"), ip, self.address, "1"],
+                env=dict(self.env, PYTHONUNBUFFERED="1", **NODE_ENV), stdout=out,
+                stderr=subprocess.STDOUT, start_new_session=True)
+        if wait:
+            self.joined(ip)
+
+    def joined(self, ip: str) -> None:
+        """Until the node says it joined (`ray start` does once it is registered): a run that
+        asked for placement before then waited out its 120 s placement bound."""
+        log = self.tmp / f"node-{ip}-{len(self.stopped)}.log"
+        wait_while_running(self.nodes[ip], lambda: "Ray runtime started" in log.read_text(
+            errors="replace"), what=f"the Ray node {ip} joined (its log: {log})")
+
+    def stop_node(self, ip: str) -> None:
+        self.stopped.append(self.nodes[ip])
+        _stop(self.nodes[ip])
+
+    def stop(self) -> None:
+        for p in reversed([p for p in self.procs if p is not None]):
+            _stop(p)
+
+
 @pytest.fixture(scope="module")
 def ray_cluster(tmp_path_factory):
-    """The three-node loopback cluster with token authentication (the module's docstring):
-    (GCS address, the processes of its nodes), stopped by their pids at the end."""
+    """The three-node loopback cluster with token authentication (the module's docstring),
+    stopped by its processes' pids at the end."""
     pytest.importorskip("ray", reason="the ray engine needs Ray: pip install 'orchestrator[ray]'")
     if shutil.which("unshare") is None or os.geteuid() != 0:
         pytest.skip("the cluster's nodes need unshare --mount and root (a private /tmp each)")
-    tmp = tmp_path_factory.mktemp("ray")
     env = dict(os.environ, **RAY_ENV, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=RAY_TOKEN)
     env.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)
-    procs = []
+    cluster = RayCluster(tmp_path_factory.mktemp("ray"), env)
     try:
-        with open(tmp / "head.log", "wb") as log:
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
-                 "--num-cpus=0", "--include-dashboard=false", f"--temp-dir={tmp}", "--port=0",
-                 f"--node-ip-address={HEAD}"], env=env, stdout=log, stderr=subprocess.STDOUT,
-                start_new_session=True))
-        current = tmp / "ray_current_cluster"
-        wait_while_running(procs[0], lambda: current.exists() and current.read_text().strip(),
-                           what=f"the Ray head up (its log: {tmp / 'head.log'})")
-        address = current.read_text().strip()
-        assert address.startswith(f"{HEAD}:"), address
+        cluster.start_head()
         for ip in NODES:
-            with open(tmp / f"node-{ip}.log", "wb") as log:
-                procs.append(subprocess.Popen(
-                    ["unshare", "--mount", "--propagation", "private", sys.executable,
-                     os.path.join(ROOT, "tests", "fakes", "ray_node.py"), ip, address, "1"],
-                    env=dict(env, PYTHONUNBUFFERED="1"), stdout=log,
-                    stderr=subprocess.STDOUT, start_new_session=True))
-        # every worker node joined (`ray start` says so once it is registered) before a test
-        # asks for placement: a run started before then waited out its 120 s placement bound
-        for ip, node in zip(NODES, procs[1:]):
-            log = tmp / f"node-{ip}.log"
-            wait_while_running(node, lambda: "Ray runtime started" in log.read_text(
-                errors="replace"), what=f"the Ray node {ip} joined (its log: {log})")
-        yield address, procs
+            cluster.start_node(ip, wait=False)
+        for ip in NODES:  # every worker node joined before a test asks for placement
+            cluster.joined(ip)
+        yield cluster
     finally:
-        for p in reversed(procs):
-            _stop(p)
+        cluster.stop()
 
 
 @pytest.fixture
@@ -265,21 +304,27 @@ def test_local_engine_a_hung_rank_stops_the_group_and_it_ends_bit_identical(tmp_
     assert hang["attempt"] == 1 and len(hang["workers"]) == 2
 
 
-def test_ray_three_nodes_a_hung_rank_0_then_a_killed_rank_1_end_bit_identical(
+def test_ray_three_nodes_a_hung_rank_0_a_killed_rank_1_a_lost_node_end_bit_identical(
         shared_dir, reference, ray_cluster):
     """On the three-node cluster (no rank on the head, a private /tmp per node): rank 0 hangs
     in the middle of epoch 2. Its silence reaches the supervisor through Ray, the group's stacks
     come back from both nodes, and it restarts. In the next attempt rank 1 is SIGKILLed in the
     middle of the epoch: the group restarts again, from the copies made durable on the chief's
-    node, and ends with the weights of the uninterrupted run. The journal says which node each
-    rank was on, the hang and the kill. (hang_timeout 20 s: the first step's trace counts as
-    training; slow steps from step 60 leave the test time to kill in the middle of the epoch.)"""
-    address, nodes = ray_cluster
+    node. In the third, rank 1's node leaves the cluster (stopped as `ray stop` would): the node
+    is journaled as lost with its rank, the next group waits for capacity until the node is
+    back, and the run ends with the weights of the uninterrupted run. The journal says which
+    node each rank was on, the hang, the kill and the lost node. (hang_timeout 20 s: the first
+    step's trace counts as training; slow steps from step 60 leave the test time to act in the
+    middle of the epoch. The hang is rank 0's alone: `,rank=0`, its claim in the run directory
+    that both nodes see. The node stopped is rank 1's: a lost chief's node would take the
+    checkpoints not yet durable with it, and the resume step would vary from run to run.)"""
+    cluster = ray_cluster
+    address = cluster.address
     job, run = _job(shared_dir, "hang_timeout: 20\n"), shared_dir / "run"
     ctl = live(job, run)
     journal = Journal(ctl.journal)
-    p = _run(job, run, "--engine", "ray", "--fault", "hang@step=70",
-             "--fault", "slow-steps@step=60,for=0.1", env=_ray_env(address))
+    p = _run(job, run, "--engine", "ray", "--fault", "hang@step=70,rank=0",
+             "--fault", "slow-steps@step=60,for=0.2", env=_ray_env(address))
     try:
         _wait(p, lambda: next(journal.iter("hang_detected"), None), what="the hang")
         second = _wait(p, lambda: next((e for e in journal.iter("attempt_started")
@@ -287,10 +332,20 @@ def test_ray_three_nodes_a_hung_rank_0_then_a_killed_rank_1_end_bit_identical(
         beat = _wait(p, lambda: (lambda b: b if b.get("attempt") == 2 and b.get("step", 0) > 62
                                  else None)(heartbeat.read(ctl.control) or {}),
                      what="attempt 2 past step 62, relayed")
-        connections = _cluster_connections([x.pid for x in nodes] + [p.pid])
+        connections = _cluster_connections([x.pid for x in cluster.procs] + [p.pid])
         rank1 = second["workers"][1]
         assert signal_proven(ProcessIdentity.from_record(rank1["pid"], rank1["identity"]),
                              signal.SIGKILL, group=False) is None
+        third = _wait(p, lambda: next((e for e in journal.iter("attempt_started")
+                                       if e["attempt"] == 3), None), what="attempt 3")
+        beat3 = _wait(p, lambda: (lambda b: b if b.get("attempt") == 3 and b.get("step", 0) > 62
+                                  else None)(heartbeat.read(ctl.control) or {}),
+                      what="attempt 3 past step 62, relayed")
+        gone = third["workers"][1]["node"]
+        cluster.stop_node(gone)  # the machine leaves the cluster mid-epoch
+        _wait(p, lambda: next((e for e in journal.iter("group_placing")
+                               if e["attempt"] == 4), None), what="attempt 4 placing")
+        cluster.start_node(gone)  # ... and comes back: the placement waiting for it goes on
     except BaseException:
         p.terminate()  # the supervisor we started: it stops its group on the cluster
         print(p.communicate(timeout=300)[0])
@@ -298,25 +353,38 @@ def test_ray_three_nodes_a_hung_rank_0_then_a_killed_rank_1_end_bit_identical(
     out, _ = p.communicate(timeout=900)  # a cap only: the supervisor bounds its own waits
     assert p.returncode == 0, out
     assert beat["step"] < 88, beat  # killed in the middle of epoch 2 (44 steps an epoch)
+    assert beat3["step"] < 88, beat3  # its node stopped in the middle of epoch 2 too
     assert len(connections) > 10 and all(
         a.startswith("127.0.0.") and b.startswith("127.0.0.") for a, b in connections), \
         connections
     events = Journal(str(run / "events.jsonl")).events()
     starts = [e for e in events if e["event"] == "attempt_started"]
-    assert len(starts) == 3
+    assert len(starts) == 4
     for e in starts:  # a rank on each worker node, none on the head, each named
         assert sorted(w["node"] for w in e["workers"]) == sorted(NODES), e
     hang = next(e for e in events if e["event"] == "hang_detected")
     assert hang["attempt"] == 1 and 20 <= hang["last_heartbeat_age_s"] < 40, hang
     assert {w["node"] for w in hang["workers"]} == set(NODES)
+    hung = [e for e in events if e["event"] == "fault_injected" and e["fault"].startswith("hang")]
+    assert [(e["attempt"], e["rank"]) for e in hung] == [(1, 0)], hung  # rank 0's journal only
+    others = Journal(os.path.join(ctl.for_rank(1), "events.jsonl")).events("fault_injected")
+    assert not [e for e in others if e["fault"].startswith("hang")], others  # relayed from node
     failed = [e for e in events if e["event"] == "group_member_failed"]
     assert [(e["attempt"], e["rank"], e["exit_code"], e["stopping"]) for e in failed] == \
-        [(2, 1, -signal.SIGKILL, [0])] and failed[0]["node"] == rank1["node"]
+        [(2, 1, -signal.SIGKILL, [0]), (3, 1, -signal.SIGKILL, [0])]
+    assert failed[0]["node"] == rank1["node"] and "lost" not in failed[0]  # its actor lived
+    assert failed[1]["node"] == gone and failed[1]["lost"], failed[1]
+    lost = [e for e in events if e["event"] == "node_lost"]
+    assert [(e["attempt"], e["node"], e["ranks"]) for e in lost] == [(3, gone, [1])], lost
+    placed = next(e for e in events if e["event"] == "group_placed" and e["attempt"] == 4)
+    assert placed["placed"] and placed["wait_s"] > 1, placed  # it waited for the node
+    assert "waiting up to 120 s for Ray to place 2 worker(s)" in out
     assert [e["kind"] for e in events if e["event"] == "attempt_ended"] == \
-        ["hang", "killed", None]
+        ["hang", "killed", "killed", None]
     ready = [e for e in events if e["event"] == "worker_ready"]  # rank 0's, relayed
-    assert [e["attempt"] for e in ready] == [1, 2, 3]
+    assert [e["attempt"] for e in ready] == [1, 2, 3, 4]
     assert ready[1]["resumed_from_step"] == 60 and 60 <= ready[2]["resumed_from_step"] < 88
+    assert 60 <= ready[3]["resumed_from_step"] < 88
     assert any(e["event"] == "checkpoint_durable" for e in events)  # from the chief's node
     for log in ("1.log", "1.r1.log"):  # both ranks' stacks, relayed from their nodes
         assert "most recent call first" in (run / "attempts" / log).read_text(), log
@@ -328,6 +396,10 @@ def test_ray_three_nodes_a_hung_rank_0_then_a_killed_rank_1_end_bit_identical(
     s = run_status(str(run))  # status and the report show the group
     assert [w["rank"] for w in s["workers"]] == [0, 1]
     assert "workers: rank 0 pid" in format_status(s)
+    # every rank's last beat of attempt 4, relayed from its node, with the node
+    assert sorted(r["node"] for r in s["ranks"]) == sorted(NODES), s["ranks"]
+    assert all(r["heartbeat_age_s"] is not None and r["phase"] for r in s["ranks"]), s["ranks"]
+    assert "    rank 1 on 127.0.0." in format_status(s)
 
 
 def test_ray_without_the_clusters_token_is_one_line_and_an_exit(tmp_path, ray_cluster):
@@ -335,7 +407,7 @@ def test_ray_without_the_clusters_token_is_one_line_and_an_exit(tmp_path, ray_cl
     home): refused at once with one line and exit 2, journaled; no endless retry."""
     home = tmp_path / "home"
     home.mkdir()
-    env = _ray_env(ray_cluster[0], HOME=str(home))
+    env = _ray_env(ray_cluster.address, HOME=str(home))
     del env["RAY_AUTH_TOKEN"]
     job, run = _job(tmp_path), tmp_path / "run"
     p = _run(job, run, "--engine", "ray", env=env)
@@ -346,6 +418,27 @@ def test_ray_without_the_clusters_token_is_one_line_and_an_exit(tmp_path, ray_cl
         in lines[0], out
     gone = Journal(str(live(job, run).journal)).events("engine_unavailable")
     assert len(gone) == 1 and "no token was found" in gone[0]["reason"]
+
+
+def test_ray_a_placement_that_cannot_be_satisfied_is_one_line_and_an_exit(tmp_path,
+                                                                          ray_cluster):
+    """Three workers of one CPU each, on two worker nodes of one CPU: Ray cannot place them.
+    At the placement bound (3 s here; 120 s by default, the same wait a group lost with its node
+    waits for capacity in) the run stops with one line and exit 2, journaled; no worker started,
+    no hang."""
+    job, run = _job(tmp_path), tmp_path / "run"
+    p = _run(job, run, "--engine", "ray", "--workers", "3",
+             env=_ray_env(ray_cluster.address, ORCHESTRATOR_RAY_PLACEMENT_TIMEOUT="3"))
+    out, _ = p.communicate(timeout=120)  # the bounds are the connection's and the placement's
+    assert p.returncode == 2, out
+    lines = [ln for ln in out.splitlines() if "could not place" in ln]
+    assert lines == ["orchestrator: Ray could not place 3 worker(s) of {'CPU': 1.0} each within "
+                     "3 s (ray status shows what it has)"], out
+    journal = Journal(live(job, run).journal)
+    placed = journal.events("group_placed")
+    assert len(placed) == 1 and not placed[0]["placed"] and placed[0]["wait_s"] >= 2.5, placed
+    assert journal.events("group_placing")[0]["timeout_s"] == 3
+    assert not journal.events("attempt_started")
 
 
 def test_jax_local_engine_a_rank_s_error_stops_the_group_and_it_ends_bit_identical(

@@ -28,7 +28,21 @@ from orchestrator.core.journal import Journal
 ])
 def test_fault_specs_parse(text, what, arg, at, n, dur):
     f = faults.parse(text)
-    assert (f.what, f.arg, f.at, f.n, f.duration) == (what, arg, at, n, dur)
+    assert (f.what, f.arg, f.at, f.n, f.duration, f.rank) == (what, arg, at, n, dur, None)
+
+
+@pytest.mark.parametrize("text,what,n,dur,rank", [
+    ("hang@step=70,rank=0", "hang", 70, None, 0),
+    ("kill@step=5,rank=1", "kill", 5, None, 1),
+    ("slow-steps@step=60,for=0.1,rank=1", "slow-steps", 60, 0.1, 1),
+    ("slow-steps@step=60,rank=1,for=0.1", "slow-steps", 60, 0.1, 1),
+    ("kill@checkpoint=2,rank=0", "kill", 2, None, 0),
+])
+def test_a_rank_selector_parses(text, what, n, dur, rank):
+    f = faults.parse(text)
+    assert (f.what, f.n, f.duration, f.rank) == (what, n, dur, rank)
+    assert f.fires_on(rank) and not f.fires_on(rank + 1)
+    assert faults.parse("hang@step=7").fires_on(3)  # no selector: any rank
 
 
 @pytest.mark.parametrize("text,expected", [
@@ -44,11 +58,46 @@ def test_fault_specs_parse(text, what, arg, at, n, dur):
     ("slow-steps@step=3", "(and they need it)"),
     ("slow-steps@epoch=3,for=1", "slow-steps fires @step=N"),
     ("disk-full@step=3", "disk-full fires @checkpoint=N"),
+    ("hang@step=70,rank=x", "',rank=R' needs a worker's rank (0 for the chief"),
+    ("hang@step=70,rank=-1", "',rank=R' needs a worker's rank"),
+    ("hang@step=70,rank=", "',rank=R' needs a worker's rank"),
+    ("hang@step=70,rank=0,rank=1", "',rank=' given twice"),
+    ("hang@step=70,node=2", "unknown option 'node=2' after the moment; expected ,for=SECONDS "
+                            "or ,rank=R"),
+    ("storage-down@step=3,for=x", "',for=SECONDS' needs a number of seconds, got 'x'"),
+    ("hang@step=70,rank=0,for=2", "goes with storage-down, delay-checkpoint and slow-steps"),
 ])
 def test_bad_fault_specs_say_what_is_expected(text, expected):
     with pytest.raises(faults.FaultSpecError) as e:
         faults.parse(text)
     assert expected in str(e.value) and repr(text) in str(e.value)
+
+
+def test_a_rank_the_run_does_not_have_is_refused_before_it_starts():
+    faults.check_ranks(["hang@step=7,rank=1", "kill@step=3"], workers=2)
+    with pytest.raises(faults.FaultSpecError) as e:
+        faults.check_ranks(["hang@step=7,rank=2"], workers=2)
+    assert str(e.value) == ("--fault 'hang@step=7,rank=2': ',rank=2' names no worker of this "
+                            "run: it has 2 worker(s), ranks 0 to 1")
+
+
+def test_only_the_selected_rank_fires_and_claims_are_shared_by_every_rank(tmp_path):
+    # two ranks on two nodes claim in one folder (a group's: the run directory)
+    journals = {r: Journal(str(tmp_path / f"r{r}.jsonl")) for r in (0, 1)}
+    fired = {0: [], 1: []}
+    for attempt in (1, 2):
+        for rank in (1, 0):  # rank 1 reaches the step first: the hang is not its
+            inj = faults.Injector(["hang@step=3,rank=0", "exit=0@step=4"], str(tmp_path),
+                                  attempt, journals[rank], rank=rank)
+            inj._fire = fired[rank].append
+            for step in range(1, 6):
+                inj.at_step(step)
+    assert [f.text for f in fired[0]] == ["hang@step=3,rank=0"]
+    assert [f.text for f in fired[1]] == ["exit=0@step=4"]  # unselected: the first rank there
+    assert [(e["fault"], e["rank"]) for e in journals[0].events("fault_injected")] == \
+        [("hang@step=3,rank=0", 0)]
+    assert [(e["fault"], e["rank"]) for e in journals[1].events("fault_injected")] == \
+        [("exit=0@step=4", 1)]
 
 
 @pytest.mark.integration

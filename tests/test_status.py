@@ -236,3 +236,40 @@ def test_status_of_a_running_run_shows_where_the_worker_is(fake_job, tmp_path, c
         p.send_signal(signal.SIGTERM)
         p.communicate(timeout=60)
     assert run_status(str(tmp_path / "run"))["state"] == "stopped"
+
+
+def test_status_lists_every_rank_with_its_node_and_last_heartbeat(tmp_path):
+    """A group's ranks as the last attempt placed them, each with the beat relayed from its
+    node (rank 0's in the run's folder, rank k's in rank-k/, where supervise/relay.py writes
+    them and the control mirror copies them); a beat of an earlier attempt is not this one's."""
+    workers = [{"rank": 0, "pid": 101, "host": "a", "node": "127.0.0.2"},
+               {"rank": 1, "pid": 202, "host": "b", "node": "127.0.0.3"},
+               {"rank": 2, "pid": 303, "host": "c", "node": "127.0.0.5"}]
+    path = _journal(str(tmp_path / "run"), [
+        (1000, "run_started", {"epochs": 2}),
+        (1000, "attempt_started", {"attempt": 1, "from_epoch": 0, "engine": "ray",
+                                   "workers": workers})])
+    beats = {".": {"time": 1090.0, "pid": 101, "attempt": 1, "phase": "training", "epoch": 1,
+                   "batch": 3, "step": 47},
+             "rank-1": {"time": 1060.5, "pid": 202, "attempt": 1, "phase": "training",
+                        "epoch": 1, "batch": 1, "step": 45},
+             "rank-2": {"time": 900.0, "pid": 9, "attempt": 0, "phase": "starting"}}
+    for folder, beat in beats.items():
+        os.makedirs(os.path.join(path, folder), exist_ok=True)
+        with open(os.path.join(path, folder, "heartbeat.json"), "w") as f:
+            json.dump(beat, f)
+    s = run_status(path, now=1100.0)
+    assert s["ranks"] == [
+        {"rank": 0, "node": "127.0.0.2", "host": "a", "pid": 101, "phase": "training",
+         "epoch": 1, "step": 47, "heartbeat_age_s": 10.0},
+        {"rank": 1, "node": "127.0.0.3", "host": "b", "pid": 202, "phase": "training",
+         "epoch": 1, "step": 45, "heartbeat_age_s": 39.5},
+        {"rank": 2, "node": "127.0.0.5", "host": "c", "pid": 303, "phase": None,
+         "epoch": None, "step": None, "heartbeat_age_s": None}]
+    text = format_status(s, now=1100.0)
+    assert "    rank 0 on 127.0.0.2 pid 101: training, epoch 1 step 47, heartbeat 10s ago" in text
+    assert "    rank 1 on 127.0.0.3 pid 202: training, epoch 1 step 45, heartbeat 40s ago" in text
+    assert "    rank 2 on 127.0.0.5 pid 303: no heartbeat in this attempt" in text
+    one = _journal(str(tmp_path / "one"), [(1000, "run_started", {"epochs": 2}),
+                                           (1000, "attempt_started", {"attempt": 1})])
+    assert run_status(one, now=1100.0)["ranks"] is None  # one worker: no ranks to list

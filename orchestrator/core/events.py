@@ -81,8 +81,14 @@ class Event:
     #: ... placed (``placed``: true, ``wait_s``, ``hosts``, the ranks' ``addresses``) or not
     #: (``reason``)
     GROUP_PLACED = "group_placed"
-    #: a rank of a multi-worker group failed: the others are stopped (supervise/group.py)
+    #: a rank of a multi-worker group failed: the others are stopped (supervise/group.py);
+    #: ``lost``: its Ray actor died with it (the exception's first line)
     GROUP_MEMBER_FAILED = "group_member_failed"
+    #: a node left the cluster (stopped, drained, or dead by the cluster's health checks) and
+    #: took its ranks: ``node`` (its address), ``node_id`` (Ray's), ``ranks``, ``reason``. After
+    #: ``group_member_failed``; the attempt ends as ``killed`` (a preemption's budget) and the
+    #: next group waits for capacity within the placement bound (``group_placing``)
+    NODE_LOST = "node_lost"
     #: the worker process exited (kind when it failed)
     ATTEMPT_ENDED = "attempt_ended"
     #: no heartbeat for hang_timeout

@@ -17,7 +17,7 @@ from orchestrator.checkpoint.store import CheckpointStore
 from orchestrator.core.journal import Journal
 from orchestrator.core.lock import FILE as LOCK_FILE, RunLock
 from orchestrator.core.osutil import read_json
-from orchestrator.core.rundir import RunDir
+from orchestrator.core.rundir import RunDir, rank_dir
 from orchestrator.core.spec import SpecError
 from orchestrator.core.specload import load
 from orchestrator.core.events import CHECKPOINTS, OUTAGE_EVENTS, RUN_DIR, Event
@@ -106,6 +106,7 @@ def run_status(run_dir: str, now: float | None = None) -> dict:
         "run_dir_outages": outages(events, now),
         "workers": next((e.get("workers") for e in reversed(events)
                          if e["event"] == Event.ATTEMPT_STARTED), None),
+        "ranks": ranks(rd, events, now),
         "backend": _backend(info, events),
         "last_error": _last_error(failed, run_failed),
         "failure": None if run_failed is None or state != "failed" else {
@@ -159,6 +160,35 @@ def outages(events: list[dict], now: float, part: str = RUN_DIR) -> list[dict]:
         if o["ongoing"]:
             o["outage_s"] = round(now - o["since"], 3)
     return out
+
+
+def ranks(rd: RunDir, events: list[dict], now: float) -> list[dict] | None:
+    """Each rank of the last attempt's group (None for one worker) with its last heartbeat in
+    that attempt: node, pid, phase, epoch, step and the beat's age (None: no beat yet). A rank
+    on another node beats there; supervise/relay.py writes its beats into its folder here
+    (``rank_dir``), which the control mirror copies to the run directory."""
+    started = next((e for e in reversed(events) if e["event"] == Event.ATTEMPT_STARTED), None)
+    if not started or not started.get("workers"):
+        return None
+    out = []
+    for w in started["workers"]:
+        hb = heartbeat.read(rank_dir(rd.control, w["rank"])) or {}
+        if hb.get("attempt") != started["attempt"]:
+            hb = {}
+        out.append({"rank": w["rank"], "node": w.get("node"), "host": w.get("host"),
+                    "pid": hb.get("pid", w.get("pid")), "phase": hb.get("phase"),
+                    "epoch": hb.get("epoch"), "step": hb.get("step"),
+                    "heartbeat_age_s": round(now - hb["time"], 1) if hb.get("time") else None})
+    return out
+
+
+def format_rank(r: dict) -> str:
+    """One rank and its last heartbeat in words (status)."""
+    where = f"rank {r['rank']} on {r.get('node') or r.get('host') or '?'} pid {r['pid']}"
+    if r["heartbeat_age_s"] is None:
+        return f"{where}: no heartbeat in this attempt"
+    return (f"{where}: {r['phase'] or '?'}, epoch {r['epoch']} step {r['step']}, "
+            f"heartbeat {fmt_duration(r['heartbeat_age_s'])} ago")
 
 
 def format_workers(workers: list[dict]) -> str:
@@ -281,6 +311,7 @@ def format_status(s: dict, now: float | None = None) -> str:
                      + (f" on {b['devices']}" if b.get("devices") else ""))
     if s.get("workers"):
         lines.append(f"  workers: {format_workers(s['workers'])}")
+        lines += [f"    {format_rank(r)}" for r in s.get("ranks") or []]
     if s.get("runtimes"):
         between = s["time_by_cause_s"].get(timeline.BETWEEN_RUNTIMES, 0.0)
         lines.append(f"  runtimes (orchestrator colab): {len(s['runtimes'])}; time outside any "

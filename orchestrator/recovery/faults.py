@@ -22,8 +22,14 @@
                            in wall time and computes exactly what it would have (the tests
                            stretch a run past standby warm-ups without burning the CPU)
 
+Any of them may add ``,rank=R`` (``hang@step=70,rank=0``): in a group of several workers only
+rank R fires it (the others do not count it); without it, the first rank to reach it fires it.
+
 Each fault fires once per run, not once per attempt: before firing, it is claimed durably in
-``<run>/faults/`` (O_EXCL) and journaled as ``fault_injected``. ``slow-steps`` is the one
+``<run>/faults/`` (O_EXCL) and journaled as ``fault_injected`` (with the ``rank``). One worker
+claims in its control folder, which the supervisor mirrors there; the ranks of a group claim in
+the run directory itself, the one folder every rank on every node sees (a node's control folder
+is its own: a claim there would let the fault fire again on a rank placed on another node). ``slow-steps`` is the one
 condition rather than an event: it is journaled once, at its first step, and holds from then
 on. Parsing never imports TensorFlow; only ``raise=`` for a TensorFlow kind imports it, in the
 worker.
@@ -51,7 +57,8 @@ ENV = ENV_FAULTS
 _SPEC = re.compile(r"^(?P<what>kill|hang|raise|exit|corrupt-checkpoint|storage-down|"
                    r"delay-checkpoint|disk-full|slow-steps)"
                    r"(?:=(?P<arg>[\w-]+))?@(?P<at>step|epoch|checkpoint|export)=(?P<n>\d+)"
-                   r"(?:,for=(?P<for>\d+(?:\.\d+)?))?$")
+                   r"(?P<options>(?:,[^,=]*=[^,]*)*)$")
+_OPTIONS = ("for", "rank")  # after the moment: ,for=SECONDS ,rank=R (in any order)
 _ALLOWED_AT = {"kill": ("step", "checkpoint", "export"), "hang": ("step",), "raise": ("step",),
                "exit": ("step",), "corrupt-checkpoint": ("epoch",), "storage-down": ("step",),
                "delay-checkpoint": ("checkpoint",), "disk-full": ("checkpoint",),
@@ -71,6 +78,10 @@ class FaultSpec:
     at: str
     n: int
     duration: float | None = None
+    rank: int | None = None  # only this rank of a group fires it (None: whichever is first)
+
+    def fires_on(self, rank: int) -> bool:
+        return self.rank is None or self.rank == rank
 
     @property
     def id(self) -> str:
@@ -82,10 +93,11 @@ def parse(text: str) -> FaultSpec:
     usage = ("expected kill@step=N, hang@step=N, raise=KIND@step=N, exit=CODE@step=N, "
              "corrupt-checkpoint@epoch=N, storage-down@step=N,for=SECONDS, kill@checkpoint=N, "
              "delay-checkpoint@checkpoint=N,for=SECONDS, disk-full@checkpoint=N, "
-             "slow-steps@step=N,for=SECONDS or kill@export=1")
+             "slow-steps@step=N,for=SECONDS or kill@export=1, each optionally with ,rank=R")
     if not m:
         raise FaultSpecError(f"--fault {text!r}: {usage}")
     what, arg, at = m["what"], m["arg"], m["at"]
+    options = _options(text, m["options"])
     if at not in _ALLOWED_AT[what]:
         raise FaultSpecError(f"--fault {text!r}: {what} fires @{'/'.join(_ALLOWED_AT[what])}=N")
     if what == "raise":
@@ -95,14 +107,47 @@ def parse(text: str) -> FaultSpec:
                                  f"{', '.join(kinds)} (kill@ and hang@ cover killed and hang)")
     if what == "exit" and not (arg or "").isdigit():
         raise FaultSpecError(f"--fault {text!r}: exit=CODE needs an integer exit code")
-    if (what in _TIMED) != (m["for"] is not None):
+    if (what in _TIMED) != ("for" in options):
         raise FaultSpecError(f"--fault {text!r}: ',for=SECONDS' goes with "
                              f"{', '.join(_TIMED[:-1])} and {_TIMED[-1]} only "
                              f"(and they need it)")
     if what not in ("raise", "exit") and arg:
         raise FaultSpecError(f"--fault {text!r}: {what} takes no '=' argument")
-    return FaultSpec(text.strip(), what, arg, at, int(m["n"]),
-                 float(m["for"]) if m["for"] else None)
+    return FaultSpec(text.strip(), what, arg, at, int(m["n"]), options.get("for"),
+                     options.get("rank"))
+
+
+def _options(text: str, raw: str) -> dict:
+    """``,for=SECONDS`` and ``,rank=R`` after the moment, each at most once."""
+    out: dict = {}
+    for item in filter(None, raw.split(",")):
+        key, _, value = item.partition("=")
+        if key not in _OPTIONS:
+            raise FaultSpecError(f"--fault {text!r}: unknown option {item!r} after the moment; "
+                                 f"expected ,for=SECONDS or ,rank=R")
+        if key in out:
+            raise FaultSpecError(f"--fault {text!r}: ',{key}=' given twice")
+        if key == "for":
+            if not re.fullmatch(r"\d+(?:\.\d+)?", value):
+                raise FaultSpecError(f"--fault {text!r}: ',for=SECONDS' needs a number of "
+                                     f"seconds, got {value!r}")
+            out[key] = float(value)
+        else:
+            if not value.isdigit():
+                raise FaultSpecError(f"--fault {text!r}: ',rank=R' needs a worker's rank "
+                                     f"(0 for the chief, up to workers - 1), got {value!r}")
+            out[key] = int(value)
+    return out
+
+
+def check_ranks(faults, workers: int) -> None:
+    """A fault for a rank the run does not have would never fire: say so before it starts."""
+    for f in faults:
+        f = parse(f) if isinstance(f, str) else f
+        if f.rank is not None and f.rank >= workers:
+            raise FaultSpecError(f"--fault {f.text!r}: ',rank={f.rank}' names no worker of "
+                                 f"this run: it has {workers} worker(s), ranks 0 to "
+                                 f"{workers - 1}")
 
 
 def build_exception(kind: str) -> BaseException:
@@ -120,18 +165,22 @@ def build_exception(kind: str) -> BaseException:
 class Injector:
     """Fires the run's faults at their moments; a no-op when there are none."""
 
-    def __init__(self, faults, run_dir: str, attempt: int, journal=None):
-        """``run_dir``: where the marks live (a RunDir's ``control``, or a run directory)."""
-        self.faults = [parse(f) if isinstance(f, str) else f for f in faults]
+    def __init__(self, faults, run_dir: str, attempt: int, journal=None, rank: int = 0):
+        """``run_dir``: where the marks live (a RunDir's ``control``, or a run directory: a
+        group's, which every rank sees); ``rank``: this worker's in its group (0 alone), which
+        keeps the faults meant for it."""
+        self.faults = [f for f in (parse(f) if isinstance(f, str) else f for f in faults)
+                       if f.fires_on(rank)]
         self.dir = os.path.join(run_dir, FAULTS_DIR)
-        self.attempt, self.journal = attempt, journal
+        self.attempt, self.journal, self.rank = attempt, journal, rank
         self._slowed: set[str] = set()
         self.sleep = time.sleep  # slow-steps' wait (the unit tests count it instead)
 
     @classmethod
-    def from_env(cls, run_dir: str, attempt: int, journal=None, env=None) -> "Injector":
+    def from_env(cls, run_dir: str, attempt: int, journal=None, env=None,
+                 rank: int = 0) -> "Injector":
         raw = (os.environ if env is None else env).get(ENV)
-        return cls(json.loads(raw) if raw else [], run_dir, attempt, journal)
+        return cls(json.loads(raw) if raw else [], run_dir, attempt, journal, rank)
 
     def __bool__(self) -> bool:
         return bool(self.faults)
@@ -186,7 +235,8 @@ class Injector:
         """Record durably that ``f`` fired (exactly one claimant per run); journal it."""
         os.makedirs(self.dir, exist_ok=True)
         path = os.path.join(self.dir, f"{f.id}.json")
-        record = {"fault": f.text, "attempt": self.attempt, "time": round(time.time(), 3), **extra}
+        record = {"fault": f.text, "attempt": self.attempt, "rank": self.rank,
+                  "time": round(time.time(), 3), **extra}
         if f.duration is not None and f.what != "slow-steps":
             record["until"] = round(time.time() + f.duration, 3)
         try:

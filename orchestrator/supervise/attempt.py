@@ -238,15 +238,32 @@ class Attempt:
             self.failed = m
             self.log, self.error_record = m.log, m.error_record  # the group's failure
             if self.group:
+                lost = {"lost": m.info["lost"]} if m.info.get("lost") else {}
                 self.journal.append(Event.GROUP_MEMBER_FAILED, attempt=self.n, rank=m.rank,
                                     exit_code=rc, host=m.host, node=m.node,
                                     stopping=[x.rank for x in self.members
-                                              if x.exit_code is None])
+                                              if x.exit_code is None], **lost)
+                self._node_lost(m)
             self.stop(grace=0.0)
             return self._wait_stopped()
         if all(x.exit_code is not None for x in self.members):
             return next((x.exit_code for x in self.members if x.exit_code), 0)
         return None
+
+    def _node_lost(self, m: Member) -> None:
+        """A rank whose node left the cluster (the engine says so: ``info['node_lost']``):
+        journal the node and every rank it took; the group restarts as after any failure, and
+        its next placement waits for capacity within the engine's bound."""
+        lost = m.info.get("node_lost")
+        if not lost:
+            return
+        ranks = [x.rank for x in self.members if x.node == m.node]
+        self.journal.append(Event.NODE_LOST, attempt=self.n, engine=self.engine.name,
+                            ranks=ranks, reason=m.info.get("lost"), **lost)
+        bound = self.engine.placement_timeout()
+        self.say(f"attempt {self.n}: node {lost['node']} left the cluster with rank(s) "
+                 f"{', '.join(map(str, ranks))}: stopping the group; the next one waits for "
+                 f"capacity" + (f" up to {bound:.0f} s" if bound is not None else ""))
 
     def _wait_stopped(self) -> int:
         """After ``stop``: the exit status, once every member is gone."""

@@ -105,6 +105,7 @@ class Recovery:
         self.spec, self.env, self.journal = spec, env, run_dir.journal
         self.say = run_dir.console.say
         self.faults = [faults_mod.parse(f).text for f in faults]
+        faults_mod.check_ranks(self.faults, spec.workers)
         self.remedies = Remedies(spec, self.base_env, own_pgid=slot.pgid, sleep=slot.sleep,
                                  say=self.say)
         self.policy = RecoveryPolicy(spec.recovery, spec.restarts,

@@ -37,7 +37,7 @@ from orchestrator.core.clock import SYSTEM, Clock
 from orchestrator.core.journal import append_lines
 from orchestrator.core.osutil import complete_lines, file_size, is_missing, write_atomic
 from orchestrator.core.outage import Outage
-from orchestrator.core.rundir import ATTEMPTS_DIR, FAULTS_DIR, JOURNAL_FILE, RunDir
+from orchestrator.core.rundir import ATTEMPTS_DIR, FAULTS_DIR, JOURNAL_FILE, RunDir, rank_of
 
 CONTROL_SYNC_S = 0.5
 # While the run directory is down, retry every 0.5 s growing to 5 s: a returning mount is seen
@@ -197,6 +197,12 @@ class ControlMirror:
             except FileNotFoundError:
                 continue
             out += [(os.path.join(sub, n), n.endswith(".log")) for n in names if ".tmp-" not in n]
+        try:  # each other rank's heartbeat (`status` shows every rank's): rundir.rank_dir
+            ranks = sorted(n for n in os.listdir(self.rd.control)
+                           if rank_of(self.rd.control, os.path.join(self.rd.control, n)))
+        except FileNotFoundError:
+            ranks = []
+        out += [(os.path.join(n, heartbeat.FILE), False) for n in ranks]
         return out + [(JOURNAL_FILE, True)]
 
     def _append_new(self, rel: str) -> None:
@@ -236,7 +242,7 @@ class ControlMirror:
         except FileNotFoundError:
             return  # replaced between the listing and the read: the next pass has it
         os.makedirs(os.path.dirname(dest), exist_ok=True)
-        write_atomic(dest, data, durable=rel != heartbeat.FILE)  # liveness need not be fsynced
+        write_atomic(dest, data, durable=os.path.basename(rel) != heartbeat.FILE)  # liveness
         self._copied[rel] = key
 
     # ---------------------------------------------------------------- what is held back

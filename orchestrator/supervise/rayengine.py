@@ -23,6 +23,7 @@ import os
 import signal
 import threading
 
+from orchestrator.core.clock import SYSTEM
 from orchestrator.core.events import Event
 from orchestrator.core.rundir import ENV_RAY_NODE_ADDRESS, JOURNAL_FILE
 from orchestrator.supervise import rayconnect, relay
@@ -58,12 +59,14 @@ def _host_class(ray):
             self.files = None
             self.mirror = None
 
-        def place(self) -> tuple[str, str, str, str]:
-            """(host name, host:port for TF_CONFIG, the node's address, its node_key)."""
+        def place(self) -> tuple[str, str, str, str, str]:
+            """(host name, host:port for TF_CONFIG, the node's address, its node_key, Ray's
+            id of the node: a node that comes back at the same address is another)."""
             import socket
 
             ip = ray.util.get_node_ip_address()  # 127.0.0.1 for a one-node Ray on loopback
-            return socket.gethostname(), f"{ip}:{free_port(ip)}", ip, relay.node_key()
+            return (socket.gethostname(), f"{ip}:{free_port(ip)}", ip, relay.node_key(),
+                    ray.get_runtime_context().get_node_id())
 
         def start(self, cmd: list, env: dict, cwd: str, log: str, control: str, files: bool,
                   tiers: tuple | None) -> tuple:
@@ -189,7 +192,7 @@ class RayEngine:
         self.Host = _host_class(ray)
         self.pg = None
         self.hosts: list = []
-        self.nodes: list = []  # (address, node_key) of each placed rank
+        self.nodes: list = []  # (address, node_key, node id) of each placed rank
         self.tiers = tiers
         self.here = relay.node_key()
 
@@ -200,9 +203,13 @@ class RayEngine:
         self.close()
         self.pg = placement_group([dict(self.resources)] * size, strategy="SPREAD")
         timeout = self.placement_timeout()
-        if not self.pg.wait(timeout):
-            raise RayUnavailable(f"Ray could not place {size} worker(s) of {self.resources} "
-                                 f"each within {timeout:.0f} s (ray status shows what it has)")
+        if not self.pg.wait(min(1.0, timeout)):  # not at once: say what it waits for
+            self.say(f"waiting up to {timeout:.0f} s for Ray to place {size} worker(s) of "
+                     f"{self.resources} each (a node lost or busy; ray status shows them)")
+            if not self.pg.wait(max(0.0, timeout - 1.0)):
+                raise RayUnavailable(f"Ray could not place {size} worker(s) of "
+                                     f"{self.resources} each within {timeout:.0f} s (ray "
+                                     f"status shows what it has)")
         cpus = self.resources.get("CPU", 0)
         gpus = self.resources.get("GPU", 0)
         other = {k: v for k, v in self.resources.items() if k not in ("CPU", "GPU")}
@@ -211,8 +218,8 @@ class RayEngine:
             scheduling_strategy=PlacementGroupSchedulingStrategy(
                 self.pg, placement_group_bundle_index=i)).remote() for i in range(size)]
         places = self.ray.get([h.place.remote() for h in self.hosts])
-        self.nodes = [(ip, key) for _, _, ip, key in places]
-        return [(host, addr) for host, addr, _, _ in places]
+        self.nodes = [(ip, key, node_id) for _, _, ip, key, node_id in places]
+        return [(host, addr) for host, addr, *_ in places]
 
     @staticmethod
     def placement_timeout() -> float:
@@ -225,7 +232,7 @@ class RayEngine:
     def spawn(self, m: Member, cmd: list[str], env: dict, cwd: str, events) -> None:
         host = self.hosts[m.rank]
         m.handle = host
-        m.node, key = self.nodes[m.rank]
+        m.node, key, node_id = self.nodes[m.rank]
         away = key != self.here  # its control folder is not ours: relay its files too
         tiers = self.tiers if away and m.rank == 0 else None  # the chief commits checkpoints
         control = m.control or os.path.dirname(os.path.dirname(m.log))
@@ -256,6 +263,8 @@ class RayEngine:
             except self.ray.exceptions.RayError as exc:  # the actor's process or node died
                 rc, record, tail = -signal.SIGKILL, None, None
                 m.info["lost"] = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
+                if node_gone(self.ray, node_id):  # attempt.py journals node_lost
+                    m.info["node_lost"] = {"node": m.node, "node_id": node_id}
             _keep_remote(m, record, tail)
             events.put(Exited(m, rc))
 
@@ -282,6 +291,30 @@ class RayEngine:
         if self.pg is not None:
             remove_placement_group(self.pg)
             self.pg = None
+
+
+# How long the cluster may take to call a node dead once its rank's actor is: a node stopped
+# (`ray stop`, a drained VM) is dead at once; one that vanished is after GCS health checks.
+NODE_DEATH_WAIT_S = 10.0
+
+
+def node_gone(ray, node_id: str, wait_s: float = NODE_DEATH_WAIT_S, poll_s: float = 0.5,
+              clock=None) -> bool:
+    """Whether the node ``node_id`` left the cluster (dead, or no longer listed), asked of the
+    cluster's own view (``ray.nodes()``) until ``wait_s``: an actor that died on a live node
+    (its process killed) is not a node lost."""
+    clock = clock or SYSTEM
+    deadline = clock.monotonic() + wait_s
+    while True:
+        try:
+            node = next((n for n in ray.nodes() if n.get("NodeID") == node_id), None)
+        except Exception:  # noqa: BLE001 - the GCS itself unreachable: not this node's fact
+            return False
+        if node is None or not node.get("Alive", False):
+            return True
+        if clock.monotonic() >= deadline:
+            return False
+        clock.sleep(poll_s)
 
 
 def _keep_remote(m: Member, record: str | None, tail: bytes | None) -> None:

@@ -176,7 +176,9 @@ def run(prep: Prepared, rd: RunDir, attempt: int, progress, t_start: float, mark
     if heart is None:
         heart = HeartbeatWriter(rd.for_rank(rank), attempt, spec.heartbeat_interval)
         heart.beat(force=True, phase=Phase.STARTING)
-    injector = Injector.from_env(rd.control, attempt, journal)
+    # a group's claims in the run directory, which every rank on every node sees (faults.py)
+    injector = Injector.from_env(rd.root if _in_group() else rd.control, attempt, journal,
+                                 rank=rank)
     states = CallbackStates(job_callbacks)
 
     if _in_group():
