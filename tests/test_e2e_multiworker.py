@@ -56,6 +56,10 @@ from orchestrator.core.procid import ProcessIdentity, signal_proven
 from orchestrator.ops.status import format_status, run_status
 
 pytestmark = pytest.mark.e2e
+# The tests on the cluster run in one test process (scripts/test: --dist loadgroup): two
+# processes each starting the module's cluster on the same loopback addresses collided, and
+# neither cluster came up (seen beside two busy loops: both nodes exited 1).
+ONE_CLUSTER = pytest.mark.xdist_group("ray_cluster")
 
 JOB = """
 name: digits-2w
@@ -304,6 +308,7 @@ def test_local_engine_a_hung_rank_stops_the_group_and_it_ends_bit_identical(tmp_
     assert hang["attempt"] == 1 and len(hang["workers"]) == 2
 
 
+@ONE_CLUSTER
 def test_ray_three_nodes_a_hung_rank_0_a_killed_rank_1_a_lost_node_end_bit_identical(
         shared_dir, reference, ray_cluster):
     """On the three-node cluster (no rank on the head, a private /tmp per node): rank 0 hangs
@@ -402,6 +407,7 @@ def test_ray_three_nodes_a_hung_rank_0_a_killed_rank_1_a_lost_node_end_bit_ident
     assert "    rank 1 on 127.0.0." in format_status(s)
 
 
+@ONE_CLUSTER
 def test_ray_without_the_clusters_token_is_one_line_and_an_exit(tmp_path, ray_cluster):
     """No token here for a cluster that requires one (nothing in the environment, an empty
     home): refused at once with one line and exit 2, journaled; no endless retry."""
@@ -420,6 +426,7 @@ def test_ray_without_the_clusters_token_is_one_line_and_an_exit(tmp_path, ray_cl
     assert len(gone) == 1 and "no token was found" in gone[0]["reason"]
 
 
+@ONE_CLUSTER
 def test_ray_a_placement_that_cannot_be_satisfied_is_one_line_and_an_exit(tmp_path,
                                                                           ray_cluster):
     """Three workers of one CPU each, on two worker nodes of one CPU: Ray cannot place them.

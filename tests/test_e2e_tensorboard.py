@@ -55,8 +55,8 @@ def _steps(folder):
 def test_a_worker_killed_mid_epoch_leaves_every_step_once_and_in_order(tmp_path, backend):
     # Killed at step 70 (mid-epoch 2), after writing its points up to 70; resumed from the newest
     # checkpoint committed before the kill: 60, or 45 when the write of 60 was still in flight
-    # in the background, or 40 when 45's was too (seen beside two busy loops). Without the
-    # repair the reader gets [..., 60, 65, 70, 65, 70, ...].
+    # in the background, or 40 or even 20 when the earlier ones were too (seen beside two busy
+    # loops). Without the repair the reader gets [..., 60, 65, 70, 65, 70, ...].
     # on JAX as on a TPU VM: TensorFlow cannot be imported (the worker writes the logs without)
     env = noimport.env_without(tmp_path / "site", "tensorflow") if backend == "jax" else None
     rc, out, run, events = _run(tmp_path, faults=["kill@step=70"], env=env, backend=backend)
@@ -67,7 +67,7 @@ def test_a_worker_killed_mid_epoch_leaves_every_step_once_and_in_order(tmp_path,
     committed = [e["step"] for e in before if e["event"] == "checkpoint_committed"]
     resumed = ready[1]["resumed_from_step"]
     assert [e["resumed_from_step"] for e in ready] == [0, max(committed)]
-    assert resumed in (40, SPE, 60), resumed
+    assert 0 < resumed < 70 and resumed % 5 == 0, resumed  # every 20 steps and each epoch's end
     log = (run / "attempts" / "2.log").read_text()
     dropped = re.search(rf"tensorboard: dropped (\d+) point\(s\) past step {resumed}", log)
     # batch_{loss,accuracy,learning_rate} at each multiple of 5 in (resumed, 70], and epoch 1's
