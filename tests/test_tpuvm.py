@@ -201,7 +201,7 @@ def test_a_lock_held_by_the_supervisor_itself_is_named_as_such(tpu_vm):
 
 def _remedies(backend: str) -> Remedies:
     spec = SimpleNamespace(backend=backend, batch_size=32, strategy="auto")
-    return Remedies(spec, dict, own_pgid=lambda: None, sleep=lambda s: None, say=print)
+    return Remedies(spec, dict, own_pgid=lambda: None, sleep=lambda s: None)
 
 
 def test_reinit_on_jax_clears_a_stale_libtpu_lock_and_sets_no_tensorflow_reinit(

@@ -163,7 +163,7 @@ class NodeMirror:
 class RayEngine:
     name = "ray"
 
-    def __init__(self, address: str | None, resources: dict, say=print, journal=None,
+    def __init__(self, address: str | None, resources: dict, journal=None,
                  tiers: tuple | None = None):
         """Connect as Ray's driver (rayconnect.py: bounded by ``CONNECT_TIMEOUT_ENV``, in the
         cluster's authentication mode), journaled either way. ``tiers``: (local root, durable
@@ -171,7 +171,7 @@ class RayEngine:
         node. ``ENV_RAY_NODE_ADDRESS`` names this node's address where Ray cannot find it."""
         if importlib.util.find_spec("ray") is None:
             raise RayUnavailable("engine: ray needs Ray: pip install 'orchestrator[ray]'")
-        self.resources, self.say, self.journal = dict(resources), say, journal
+        self.resources, self.journal = dict(resources), journal
         address = address or os.environ.get("RAY_ADDRESS") or None
         timeout = float(os.environ.get(CONNECT_TIMEOUT_ENV, "60"))
         node = os.environ.get(ENV_RAY_NODE_ADDRESS) or None
