@@ -1,3 +1,4 @@
+import logging
 import platform
 import subprocess
 import textwrap
@@ -74,8 +75,12 @@ def _log_lines_as_in_the_cli():
 
 @pytest.fixture
 def said(caplog):
-    """What the orchestrator's loggers said during the test (helpers.Said)."""
-    return Said(caplog)
+    """What the orchestrator's loggers said during the test (helpers.Said): caplog's handler
+    on the ``orchestrator`` logger itself, which does not propagate (core/logs.configure)."""
+    logger = logging.getLogger(logs.ROOT)
+    logger.addHandler(caplog.handler)
+    yield Said(caplog)
+    logger.removeHandler(caplog.handler)
 
 
 @pytest.fixture

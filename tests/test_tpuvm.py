@@ -25,6 +25,7 @@ from orchestrator.recovery.policy import Decision
 # promotion line, report what JAX and Keras hold (and pretend the pipe closed: it exits 0).
 _STANDBY = r"""
 import json, sys, time
+from orchestrator.core import logs
 from orchestrator.core.rundir import RunDir
 from orchestrator.core.specload import load
 from orchestrator.train import standby
@@ -43,6 +44,7 @@ def report(stream):
     return None
 
 standby.wait_for_promotion = report
+logs.configure()  # as the worker's main does: its [standby] lines on stdout
 spec = load(sys.argv[1], run_dir=sys.argv[2], backend="jax")
 from types import SimpleNamespace
 from orchestrator.train import worker

@@ -2,15 +2,15 @@
 
 Every module logs to its own logger (``log = logging.getLogger(__name__)``). A line reads as it
 always has: ``[tag] message``, the tag naming who speaks (``orchestrator`` for the supervisor,
-``worker``, ``standby``, ``export``, ``fault``, ``jobcheck`` in the worker's log,
+``worker``, ``standby``, ``export``, ``fault`` in the worker's and the exporter's logs,
 ``orchestrator colab`` for the outer loop), chosen from the logger's name (``TAGS``) or a
 record's own ``tag``. INFO goes to standard output, WARNING and above to standard error, each
 line flushed (a worker's log file interleaves them with Keras's own output in order).
 
 Two places set this up, nothing else adds a handler:
 
-- ``configure()``, called by each process's entry point (the CLI, the worker, the exporter,
-  the job check): the lines to the process's streams;
+- ``configure()``, called by each process's entry point (the CLI, the worker, the
+  exporter): the lines to the process's streams;
 - ``routed(write)``, which a run's console holds for the length of the run (in a notebook as
   on the command line): INFO lines go to ``write`` instead (the console, which wipes its
   progress bar before a line and writes to the cell or terminal it was given), WARNING and
@@ -34,7 +34,6 @@ TAGS = {
     f"{ROOT}.checkpoint.writer": "worker",
     f"{ROOT}.train.standby": "standby",
     f"{ROOT}.train.export": "export",
-    f"{ROOT}.train.jobcheck": "jobcheck",
     f"{ROOT}.recovery.faults": "fault",
 }
 
@@ -77,12 +76,15 @@ class Lines(logging.Handler):
 
 
 def configure() -> None:
-    """A process's entry point: the orchestrator's lines to its standard streams (once)."""
+    """A process's entry point: the orchestrator's lines to its standard streams (once), and
+    not to the root logger's handlers as well (TensorFlow's absl sets one up in the worker:
+    every line would be written twice)."""
     logger = logging.getLogger(ROOT)
     with _lock:
         if not any(isinstance(h, Lines) for h in logger.handlers):
             logger.addHandler(Lines())
         logger.setLevel(logging.INFO)
+        logger.propagate = False
 
 
 @contextlib.contextmanager
