@@ -5,6 +5,7 @@ import argparse
 import json
 import sys
 
+from orchestrator.core import logs
 from orchestrator.core.lock import LockedError
 from orchestrator.core.rundir import RunDirUnreachable
 from orchestrator.core.backends import BACKENDS
@@ -234,6 +235,7 @@ EXIT_CODES = {SpecError: EXIT_USAGE, IncompatibleResume: EXIT_USAGE, EngineUnava
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    logs.configure()
     try:
         return args.func(args)
     except tuple(EXIT_CODES) as exc:  # a message meant for the user as it is, no traceback

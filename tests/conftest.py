@@ -1,10 +1,12 @@
+import logging
 import platform
 import subprocess
 import textwrap
 
 import pytest
 
-from helpers import supervise
+from helpers import Said, supervise
+from orchestrator.core import logs
 
 # TensorFlow's import asks platform.processor(), which runs `uname -p` once per process: asked
 # here, before any test, so that the fast tier's guard below never takes the first test to
@@ -62,6 +64,23 @@ def _local_tier_in_pytest_tmp(tmp_path_factory, monkeypatch):
     tmp = tmp_path_factory.mktemp("tmpdir")
     monkeypatch.setenv("TMPDIR", str(tmp))
     monkeypatch.setattr(tempfile, "tempdir", None)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _log_lines_as_in_the_cli():
+    """The orchestrator's log lines reach this process's streams as they do in the CLI and the
+    worker (core/logs.configure): a test reading them with capsys sees what a user sees."""
+    logs.configure()
+
+
+@pytest.fixture
+def said(caplog):
+    """What the orchestrator's loggers said during the test (helpers.Said): caplog's handler
+    on the ``orchestrator`` logger itself, which does not propagate (core/logs.configure)."""
+    logger = logging.getLogger(logs.ROOT)
+    logger.addHandler(caplog.handler)
+    yield Said(caplog)
+    logger.removeHandler(caplog.handler)
 
 
 @pytest.fixture

@@ -5,9 +5,11 @@ A module of its own, not ``conftest``: pytest imports conftest by its own rules 
 subprocess that must find ``fake_worker_cmd`` by import has to name a plain module); the
 fixtures stay in conftest.
 """
+import logging
 import os
 import subprocess
 import sys
+from collections.abc import Sequence
 
 import pytest
 
@@ -168,3 +170,29 @@ def wait_while_running(proc, cond, what="condition", cap=900):
             raise AssertionError(f"{what}: the supervisor exited {proc.returncode} first:\n{out}")
         time.sleep(0.05)
     raise AssertionError(f"{what} not met in {cap} s while the supervisor ran")
+
+
+class Said(Sequence):
+    """The messages the ``orchestrator`` loggers logged at INFO and above during a test, in
+    order (pytest's ``caplog`` underneath): what a ``say`` list collected before the modules
+    logged (the ``said`` fixture)."""
+
+    def __init__(self, caplog):
+        self.caplog = caplog
+        caplog.set_level(logging.INFO, logger="orchestrator")
+
+    def _messages(self) -> list[str]:
+        return [r.getMessage() for r in self.caplog.records
+                if r.name.startswith("orchestrator") and r.levelno >= logging.INFO]
+
+    def __getitem__(self, i):
+        return self._messages()[i]
+
+    def __len__(self) -> int:
+        return len(self._messages())
+
+    def __eq__(self, other) -> bool:
+        return self._messages() == list(other)
+
+    def __repr__(self) -> str:
+        return repr(self._messages())

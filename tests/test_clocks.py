@@ -37,15 +37,15 @@ class _Lock:
 
 
 @pytest.fixture
-def keeper(tmp_path):
+def keeper(tmp_path, said):
     clock = FakeClock()
     journal = Journal(str(tmp_path / "events.jsonl"))
-    said, signals, lost = [], [], []
+    signals, lost = [], []
     hang = HangClock(str(tmp_path), hang_timeout=30, startup_timeout=60, clock=clock)
     lease = Lease(stale_after=8.0, clock=clock)  # refresh every 1 s, lease 6 s
-    k = LeaseKeeper(_Lock(), lease, Outage(journal, str(tmp_path), said.append, clock=clock),
+    k = LeaseKeeper(_Lock(), lease, Outage(journal, str(tmp_path), clock=clock),
                     journal, hang, lambda sig: signals.append(sig) or 4242, lost.append,
-                    said.append, clock=clock)
+                    clock=clock)
     return k, clock, journal, signals, lost, said
 
 
@@ -141,10 +141,10 @@ def test_a_beat_of_another_attempt_does_not_reset_the_hang_clock(tmp_path):
     assert hang.remaining() == 10 and not hang.training
 
 
-def test_an_outage_is_journaled_once_with_its_length_by_the_clock(tmp_path):
-    clock, said = FakeClock(), []
+def test_an_outage_is_journaled_once_with_its_length_by_the_clock(tmp_path, said):
+    clock = FakeClock()
     journal = Journal(str(tmp_path / "events.jsonl"))
-    outage = Outage(journal, str(tmp_path), said.append, clock=clock)
+    outage = Outage(journal, str(tmp_path), clock=clock)
     outage.failed(OSError(errno.ENOTCONN, "Transport endpoint is not connected"), during="x")
     clock.advance(42.0)
     outage.failed(OSError(errno.ENOTCONN, "Transport endpoint is not connected"), during="y")
@@ -160,7 +160,7 @@ def test_a_flush_retries_every_half_second_until_its_deadline(tmp_path):
     clock = FakeClock()
     rd = RunDir(str(tmp_path / "run"), str(tmp_path / "local-control"))
     rd.make()
-    m = ControlMirror(rd, Outage(Journal(rd.journal), rd.root, lambda s: None, clock=clock),
+    m = ControlMirror(rd, Outage(Journal(rd.journal), rd.root, clock=clock),
                       clock=clock)
     m.sync = lambda: False  # the run directory never answers
     assert m.flush(1.2) is False

@@ -9,13 +9,12 @@ from orchestrator.core.outage import Outage
 from orchestrator.supervise.controlmirror import ControlMirror
 
 
-def _mirror(tmp_path, say=None):
+def _mirror(tmp_path):
     rd = RunDir(str(tmp_path / "run"), str(tmp_path / "local-control"))
     os.makedirs(rd.root, exist_ok=True)
     rd.make()
     (tmp_path / "run" / "run.json").write_text("{}")
-    said = [] if say is None else say
-    return rd, ControlMirror(rd, Outage(Journal(rd.journal), rd.root, said.append))
+    return rd, ControlMirror(rd, Outage(Journal(rd.journal), rd.root))
 
 
 def _names(path):
@@ -56,9 +55,8 @@ def test_an_earlier_run_s_local_state_is_set_aside_for_a_new_run(tmp_path):
     assert _names(rd.journal) == [] and not os.path.exists(os.path.join(rd.root, "events.jsonl"))
 
 
-def test_an_outage_is_journaled_once_and_its_end_with_what_was_held_back(tmp_path):
-    said = []
-    rd, m = _mirror(tmp_path, said)
+def test_an_outage_is_journaled_once_and_its_end_with_what_was_held_back(tmp_path, said):
+    rd, m = _mirror(tmp_path)
     m.merge_on_start()
     journal = Journal(rd.journal)
     journal.append("first_step")

@@ -66,16 +66,16 @@ class FakeEngine:
         pass
 
 
-def test_a_lost_node_is_journaled_with_its_ranks_and_the_group_stops(tmp_path):
+def test_a_lost_node_is_journaled_with_its_ranks_and_the_group_stops(tmp_path, said):
     rd = RunDir(str(tmp_path / "run")).make()
-    journal, said = Journal(rd.journal), []
+    journal = Journal(rd.journal)
     hang = SimpleNamespace(start=lambda n, size: None, remaining=lambda: 60.0, stepped=False,
                            run_dir=rd.control)
     slot = SimpleNamespace(events=queue.Queue(), hang=hang)
     standby = SimpleNamespace(promote=lambda n, env: (None, None), exited=lambda *a: None)
     spec = SimpleNamespace(job_dir=str(tmp_path), stop_grace=0.0, workers=2)
     attempt = Attempt(3, ["worker"], {}, spec=spec, rd=rd, slot=slot, journal=journal,
-                      say=said.append, standby=standby, engine=FakeEngine())
+                      standby=standby, engine=FakeEngine())
     attempt.start(from_epoch=1)
     outcome = attempt.wait(on_checkpoint=lambda: None, duties=[])
     assert outcome.exit_code == -signal.SIGKILL

@@ -109,3 +109,33 @@ def test_eta():
 def test_is_interactive():
     assert not is_interactive(io.StringIO())
     assert is_interactive(FakeTerminal())
+
+
+def test_a_module_s_log_line_reaches_the_run_s_console_in_the_cli_s_format(capsys):
+    """What ``say`` used to carry: a module logs, and while a run routes the orchestrator's
+    lines to its console (core/logs.routed) the line is the console's, bar wiped first; a
+    warning goes to stderr; nothing reaches the root logger's handlers twice."""
+    import logging
+
+    from orchestrator.core import logs
+
+    out, root_lines = FakeTerminal(), []
+    progress = Progress(out, "unused", epochs=3, interactive=False)
+
+    class Root(logging.Handler):
+        def emit(self, record):
+            root_lines.append(record.getMessage())
+
+    root = Root()
+    logging.getLogger().addHandler(root)
+    try:
+        with logs.routed(progress.line):
+            logging.getLogger("orchestrator.supervise.lease").info("the lock is ours again")
+            logging.getLogger("orchestrator.core.journal").warning("cannot write the journal")
+    finally:
+        logging.getLogger().removeHandler(root)
+    assert out.getvalue() == "[orchestrator] the lock is ours again\n"
+    assert capsys.readouterr().err == "[orchestrator] cannot write the journal\n"
+    assert root_lines == []
+    logging.getLogger("orchestrator.train.standby").info("discarded")  # the worker's format
+    assert capsys.readouterr().out == "[standby] discarded\n"

@@ -168,7 +168,7 @@ def test_the_plan_follows_the_backend():
 
 
 
-def test_the_remedy_reinstalls_the_backend_the_run_trains_on(tpu_vm_install, fake_job):
+def test_the_remedy_reinstalls_the_backend_the_run_trains_on(tpu_vm_install, fake_job, said):
     """The supervisor's remedy passes the job's backend (resolved when the job was loaded)."""
     from orchestrator.core.kinds import Action
     from orchestrator.recovery.actions import Remedies
@@ -182,8 +182,7 @@ def test_the_remedy_reinstalls_the_backend_the_run_trains_on(tpu_vm_install, fak
               pip_args: {json.dumps(list(cfg.pip_args))}
     """)
     spec = load(job)
-    said = []
-    remedies = Remedies(spec, lambda: dict(env), lambda: None, lambda s: None, said.append)
+    remedies = Remedies(spec, lambda: dict(env), lambda: None, lambda s: None)
     detail, fields = remedies.apply(Decision(Action.REINSTALL_TENSORFLOW, "accelerator_context",
                                              "ladder rung 3"), dict(env))
     assert fields["reinstall"]["ok"] and fields["reinstall"]["backend"] == "jax"

@@ -27,6 +27,7 @@ from orchestrator.recovery.policy import Decision
 # the point here, and the priority is test_standby's.
 _STANDBY = r"""
 import json, sys, time
+from orchestrator.core import logs
 from orchestrator.core.rundir import RunDir
 from orchestrator.core.specload import load
 from orchestrator.train import standby
@@ -46,6 +47,7 @@ def report(stream):
 
 standby.wait_for_promotion = report
 standby.lower_priority = lambda: 0
+logs.configure()  # as the worker's main does: its [standby] lines on stdout
 spec = load(sys.argv[1], run_dir=sys.argv[2], backend="jax")
 from types import SimpleNamespace
 from orchestrator.train import worker
@@ -204,7 +206,7 @@ def test_a_lock_held_by_the_supervisor_itself_is_named_as_such(tpu_vm):
 
 def _remedies(backend: str) -> Remedies:
     spec = SimpleNamespace(backend=backend, batch_size=32, strategy="auto")
-    return Remedies(spec, dict, own_pgid=lambda: None, sleep=lambda s: None, say=print)
+    return Remedies(spec, dict, own_pgid=lambda: None, sleep=lambda s: None)
 
 
 def test_reinit_on_jax_clears_a_stale_libtpu_lock_and_sets_no_tensorflow_reinit(

@@ -45,7 +45,7 @@ class DurableMirror:
     def __init__(self, store: TieredStore, journal: Journal, retention: Retention,
                  backoff_initial: float = 1.0, backoff_max: float = 60.0,
                  remount: Callable[[str], object] | None = None,
-                 remount_every_s: float = REMOUNT_EVERY_S, say: Callable[[str], None] | None = None,
+                 remount_every_s: float = REMOUNT_EVERY_S,
                  hold: Callable[[], bool] = lambda: True, outage: Outage | None = None,
                  clock: Clock = SYSTEM):
         """``hold()`` is asked before each pass: False means the run directory is not ours to
@@ -57,8 +57,7 @@ class DurableMirror:
         self.store, self.journal, self.retention = store, journal, retention
         self.backoff_initial, self.backoff_max = backoff_initial, backoff_max
         self.remount, self.remount_every_s = remount, remount_every_s
-        self.say = say or (lambda msg: None)
-        self.outage = outage or Outage(journal, store.durable.root, self.say, clock)
+        self.outage = outage or Outage(journal, store.durable.root, clock)
         self._cond = threading.Condition()
         self._wanted = 0      # bumped by notify(): a pass must start after it
         self._passes = 0      # passes started

@@ -25,11 +25,13 @@ classifies it as ``storage`` like a failure of a write made in line. No TensorFl
 from __future__ import annotations
 
 import concurrent.futures
-import sys
+import logging
 import time
 from typing import Callable
 
 from orchestrator.core.events import Event
+
+log = logging.getLogger(__name__)
 
 PERIODIC, EPOCH_END, PREEMPTION, FINAL = "periodic", "epoch_end", "preemption", "final"
 REASONS = (PERIODIC, EPOCH_END, PREEMPTION, FINAL)
@@ -153,8 +155,8 @@ class CheckpointWriter:
         except Exception as exc:  # noqa: BLE001 - raised below unless another error is up
             if not failing:
                 raise
-            print(f"[worker] the checkpoint write in flight failed too: "
-                  f"{type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+            log.warning(f"the checkpoint write in flight failed too: "
+                        f"{type(exc).__name__}: {exc}")
         finally:
             if self._pool is not None:
                 self._pool.shutdown(wait=True)

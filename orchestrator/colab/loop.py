@@ -16,6 +16,7 @@ copied into the run directory on Drive whenever a runtime can write it. The deci
 """
 from __future__ import annotations
 
+import logging
 import os
 import re
 import sys
@@ -28,10 +29,12 @@ from orchestrator.colab.kinds import RuntimeKind
 from orchestrator.colab.policy import (BAD_JOB, COMPLETED, FAILED, LOCKED, LOST, RUNNING,
                                        UNREACHABLE, Backoff, Budgets, OuterPolicy,
                                        Reachability, judge)
-from orchestrator.core import hosts
+from orchestrator.core import hosts, logs
 from orchestrator.core.clock import SYSTEM, Clock
 from orchestrator.core.events import Event
 from orchestrator.core.journal import Journal
+
+log = logging.getLogger(__name__)
 
 # `orchestrator colab`'s exit statuses beyond run's (0 completed, 1 failed, 2 bad job)
 EXIT_LOGIN = 5       # the CLI needs the user to sign in (or Drive their consent)
@@ -75,11 +78,14 @@ class ColabLoop:
         self.session: str | None = None
         self.last: dict = {}           # the run's state at the last probe
 
-    def say(self, text: str) -> None:
-        print(f"[orchestrator colab] {text}", file=self.out, flush=True)
-
     # ------------------------------------------------------------------ the loop
     def run(self) -> int:
+        """Until the run completes or a budget is spent; the orchestrator's log lines go to
+        ``out`` meanwhile (core/logs.routed)."""
+        with logs.routed(lambda line: print(line, file=self.out, flush=True)):
+            return self._run()
+
+    def _run(self) -> int:
         p = self.plan
         self.policy.started = self.clock.monotonic()
         n = len(hosts.hosts(self.journal.events()))  # an earlier driver's runtimes
@@ -98,7 +104,7 @@ class ColabLoop:
                 self.session = session = f"{p.session_prefix}-{n + 1}"
                 self.journal.append(Event.RUNTIME_REQUESTED, session=session, kind=str(p.kind),
                                     n=n + 1)
-                self.say(f"asking for a runtime ({p.kind}): session {session}")
+                log.info(f"asking for a runtime ({p.kind}): session {session}")
                 asked = self.clock.monotonic()
                 got = replies.new_outcome(self.cli.new(session, p.kind.flags))
                 if isinstance(got, replies.LoginExpired):
@@ -109,7 +115,7 @@ class ColabLoop:
                                         reason=got.reason, line=got.line, retry_in_s=wait)
                     if stop:
                         return self._end("failed", f"stopping: {stop} (last: {got.line})", 1)
-                    self.say(f"refused ({got.reason.replace('_', ' ')}): {got.line}; asking "
+                    log.info(f"refused ({got.reason.replace('_', ' ')}): {got.line}; asking "
                              f"again in {wait:.0f} s")
                     self.clock.sleep(wait)
                     continue
@@ -118,7 +124,7 @@ class ColabLoop:
                 self.policy.allocated()
                 self.journal.append(Event.RUNTIME_ALLOCATED, session=session,
                                     took_s=round(given - asked, 3))
-                self.say(f"runtime {session} given in {given - asked:.0f} s")
+                log.info(f"runtime {session} given in {given - asked:.0f} s")
                 why, code = self._session(session)
                 held = self.clock.monotonic() - given
                 self.policy.ended(held)
@@ -162,7 +168,7 @@ class ColabLoop:
                                                f"({replies.last_line(mounted.text)})")
         before = found.get("frameworks") or {}
         if found.get("missing"):
-            self.say(f"installing {', '.join(found['missing'])} there (nothing else)")
+            log.info(f"installing {', '.join(found['missing'])} there (nothing else)")
             done = self.cli.install(session, found["missing"])
             again = self._exec(session, remote.setup(bundle.REQUIRES), 300)
             if not replies.installed(done) or again is None or again.get("missing"):
@@ -170,12 +176,12 @@ class ColabLoop:
                                                    f"{', '.join(found['missing'])}: "
                                                    f"{replies.last_line(done.text)}")
             if (again.get("frameworks") or {}) != before:
-                self.say(f"WARNING: the image's frameworks changed during the install: "
+                log.info(f"WARNING: the image's frameworks changed during the install: "
                          f"{before} -> {again.get('frameworks')}")
         self.journal.append(Event.RUNTIME_READY, session=session, host=found.get("host"),
                             python=found.get("python"), frameworks=before,
                             setup_s=round(self.clock.monotonic() - t0, 3))
-        self.say(f"{session} is ready (host {found.get('host')}, Python {found.get('python')}"
+        log.info(f"{session} is ready (host {found.get('host')}, Python {found.get('python')}"
                  + (", " + ", ".join(f"{k} {v}" for k, v in before.items()) if before else "")
                  + f"); run directory {p.run_dir}")
         return self._train(session)
@@ -191,13 +197,13 @@ class ColabLoop:
             self.journal.append(Event.REMOTE_RUN_STARTED, session=session,
                                 pid=started.get("pid"))
             self._publish(session)
-            self.say(f"`orchestrator run` started on {session} (pid {started.get('pid')})")
+            log.info(f"`orchestrator run` started on {session} (pid {started.get('pid')})")
             state, found = self._follow(session)
             if state == LOCKED:
                 tail = " ".join(found.get("log_tail") or [])
                 self.journal.append(Event.REMOTE_RUN_LOCKED, session=session,
                                     line=tail[-300:], retry_in_s=p.lock_retry_s)
-                self.say(f"the run directory is still another supervisor's (a lost runtime's "
+                log.info(f"the run directory is still another supervisor's (a lost runtime's "
                          f"lock goes stale once it is silent long enough); starting again "
                          f"in {p.lock_retry_s:.0f} s")
                 self.clock.sleep(p.lock_retry_s)
@@ -226,7 +232,7 @@ class ColabLoop:
             now = (s.get("epoch"), s.get("step"), s.get("attempt"))
             if now != shown and s.get("epochs"):
                 shown = now
-                self.say(f"{session}: epoch {s.get('epoch')}/{s.get('epochs')}, step "
+                log.info(f"{session}: epoch {s.get('epoch')}/{s.get('epochs')}, step "
                          f"{s.get('step')}, attempt {s.get('attempt')}")
 
     def _finish_state(self, state: str, found: dict) -> tuple[str, int | None]:
@@ -240,10 +246,10 @@ class ColabLoop:
             tail = " | ".join(found.get("log_tail") or [])
             return BAD_JOB, self._end("failed", f"`orchestrator run` refused the job: {tail}", 2)
         if state == LOST:
-            self.say(f"runtime {self.session} is lost (the CLI no longer has it); the run "
+            log.info(f"runtime {self.session} is lost (the CLI no longer has it); the run "
                      f"stood at step {self.last.get('step')}; asking for another")
         else:
-            self.say(f"runtime {self.session}: {state.replace('_', ' ')}; asking for another")
+            log.info(f"runtime {self.session}: {state.replace('_', ' ')}; asking for another")
         return state, None
 
     # ------------------------------------------------------------------ helpers
@@ -255,7 +261,7 @@ class ColabLoop:
         if replies.session_gone(self.cli.status(session), session):
             return LOST, None
         wait, stop = self.policy.refused(replies.ERROR)
-        self.say(f"{session}: {detail}")
+        log.info(f"{session}: {detail}")
         if stop:
             return why, self._end("failed", f"stopping: {detail}", 1)
         self.clock.sleep(wait)
@@ -276,7 +282,7 @@ class ColabLoop:
         export = self._fetch_export(session)
         self.cli.stop(session)
         s = self.last
-        self.say(f"completed: epoch {s.get('epoch')}/{s.get('epochs')} in "
+        log.info(f"completed: epoch {s.get('epoch')}/{s.get('epochs')} in "
                  f"{self.policy.sessions} runtime(s); runtime {session} stopped; "
                  + (f"export in {export}" if export else "no export to bring home")
                  + f"; the outer journal is {self.journal.path}")
@@ -289,7 +295,7 @@ class ColabLoop:
         local = os.path.join(self.plan.local_dir, "export.tar.gz")
         got = self.cli.download(session, remote.EXPORT_BUNDLE.lstrip("/"), local)
         if got.rc != 0 or not os.path.isfile(local):
-            self.say(f"could not download the export: {replies.last_line(got.text)}")
+            log.info(f"could not download the export: {replies.last_line(got.text)}")
             return None
         with tarfile.open(local) as t:
             t.extractall(self.plan.local_dir,
@@ -298,5 +304,5 @@ class ColabLoop:
 
     def _end(self, how: str, line: str, code: int) -> int:
         self.journal.append(Event.OUTER_ENDED, how=how, line=line)
-        self.say(line)
+        log.info(line)
         return code

@@ -12,11 +12,13 @@ before Drive is back).
 from __future__ import annotations
 
 import json
+import logging
 import os
-import sys
 import threading
 import time
 from typing import Iterator
+
+log = logging.getLogger(__name__)
 
 
 def append_lines(path: str, data: bytes) -> int:
@@ -49,8 +51,8 @@ class Journal:
                 self._write("".join(self.held))
             except OSError as exc:
                 if len(self.held) == 1:
-                    print(f"[orchestrator] cannot write the journal {self.path} ({exc}); "
-                          f"holding events until it is writable", file=sys.stderr, flush=True)
+                    log.warning(f"cannot write the journal {self.path} ({exc}); "
+                                f"holding events until it is writable")
                 return record
             self.held.clear()
         return record

@@ -18,15 +18,17 @@ lock is read before it is written: still ours, the worker goes on; someone else'
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
-import sys
 import time
 import uuid
 
 from orchestrator.core.clock import SYSTEM, Clock
 from orchestrator.core.osutil import pid_alive, read_json, write_json_atomic
 from orchestrator.core.procid import ProcessIdentity, boot_id
+
+log = logging.getLogger(__name__)
 
 FILE = "lock"
 
@@ -130,9 +132,8 @@ class RunLock:
             try:
                 os.remove(self.path)
             except OSError as exc:  # the run directory is down: the lock goes stale by itself
-                print(f"[orchestrator] could not remove the lock {self.path} ({exc}); it is "
-                      f"stale {self.stale_after:.0f} s after this supervisor's last refresh",
-                      file=sys.stderr, flush=True)
+                log.warning(f"could not remove the lock {self.path} ({exc}); it is stale "
+                            f"{self.stale_after:.0f} s after this supervisor's last refresh")
 
     def stale_reason(self, current: dict | None) -> str | None:
         """Why the lock ``current`` may be taken over, or None while its owner lives."""

@@ -17,6 +17,7 @@ The event pair of each part is named once (``events.OUTAGE_EVENTS``), which is a
 """
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Callable
 
@@ -27,6 +28,8 @@ from orchestrator.core.events import CHECKPOINTS, OUTAGE_EVENTS, RUN_DIR
 from orchestrator.core.journal import Journal
 from orchestrator.core.rundir import RunDirUnreachable
 
+log = logging.getLogger(__name__)
+
 __all__ = ["CHECKPOINTS", "RUN_DIR", "START_RETRY_S", "Outage"]
 
 # A run directory that does not answer at start is retried this long (a Drive mount that is
@@ -35,9 +38,8 @@ START_RETRY_S = 30.0
 
 
 class Outage:
-    def __init__(self, journal: Journal, root: str, say: Callable[[str], None],
-                 clock: Clock = SYSTEM):
-        self.journal, self.root, self.say, self.clock = journal, root, say, clock
+    def __init__(self, journal: Journal, root: str, clock: Clock = SYSTEM):
+        self.journal, self.root, self.clock = journal, root, clock
         self.failures = 0  # the run directory's failed calls, this session
         self._since: dict[str, float] = {}  # part -> when it stopped answering
         self._lock = threading.Lock()
@@ -64,7 +66,7 @@ class Outage:
                 return False
             self._since[part] = self.clock.time()
         self.journal.append(OUTAGE_EVENTS[part][0], **fields)
-        self.say(says)
+        log.info(says)
         return True
 
     def came_back(self, part: str, says: Callable[[float], str],
@@ -77,7 +79,7 @@ class Outage:
             return False
         length = self.clock.time() - since
         self.journal.append(OUTAGE_EVENTS[part][1], **fields(since, length))
-        self.say(says(length))
+        log.info(says(length))
         return True
 
     # ---------------------------------------------------------------- the run directory

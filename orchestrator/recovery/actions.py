@@ -13,6 +13,7 @@ Supervisor side: never imports TensorFlow.
 """
 from __future__ import annotations
 
+import logging
 from typing import Callable
 
 from orchestrator.core import tpuvm
@@ -25,12 +26,14 @@ from orchestrator.core.spec import JobSpec
 from orchestrator.core.events import Event
 from orchestrator.core.kinds import Action
 
+log = logging.getLogger(__name__)
+
 
 class Remedies:
     def __init__(self, spec: JobSpec, base_env: Callable[[], dict],
-                 own_pgid: Callable[[], int | None], sleep: Callable[[float], None], say):
+                 own_pgid: Callable[[], int | None], sleep: Callable[[float], None]):
         self.spec, self.base_env, self.own_pgid = spec, base_env, own_pgid
-        self.sleep, self.say = sleep, say
+        self.sleep = sleep
         self.batch_size, self.strategy = spec.batch_size, None
         self._reinit_next = False
         self.reinstalls = 0
@@ -140,7 +143,7 @@ class Remedies:
                     f"{res.detail}", {"probe": res.as_dict()})
         if d.action == Action.REINSTALL_TENSORFLOW:
             # the run's backend (resolved when the job was loaded): jax/jaxlib/libtpu on JAX
-            self.say(f"reinstalling the {self.spec.backend} install (recovery.reinstall_tensorflow)")
+            log.info(f"reinstalling the {self.spec.backend} install (recovery.reinstall_tensorflow)")
             self.reinstalls += 1
             result = reinstall(self.spec.recovery, env, backend=self.spec.backend)
             return result["detail"], {"reinstall": result}

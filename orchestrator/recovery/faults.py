@@ -39,6 +39,7 @@ from __future__ import annotations
 import errno
 import importlib
 import json
+import logging
 import os
 import re
 import signal
@@ -52,6 +53,8 @@ from orchestrator.checkpoint.tiers import DURABLE_MARKER
 from orchestrator.core.osutil import read_json, write_json_atomic
 from orchestrator.core.events import Event
 from orchestrator.core.rundir import ENV_FAULTS, FAULTS_DIR
+
+log = logging.getLogger(__name__)
 
 ENV = ENV_FAULTS
 _SPEC = re.compile(r"^(?P<what>kill|hang|raise|exit|corrupt-checkpoint|storage-down|"
@@ -218,7 +221,7 @@ class Injector:
         if f.what == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         elif f.what == "hang":
-            print(f"[fault] {f.text}: hanging the main thread", flush=True)
+            log.info(f"{f.text}: hanging the main thread")
             while True:  # a deadlock as far as anyone can tell; faulthandler can still dump
                 threading.Event().wait(3600)
         elif f.what == "raise":
@@ -249,7 +252,7 @@ class Injector:
             os.fsync(fh.fileno())
         if self.journal is not None:
             self.journal.append(Event.FAULT_INJECTED, source="worker", **record)
-        print(f"[fault] injecting {f.text} (attempt {self.attempt})", flush=True)
+        log.info(f"injecting {f.text} (attempt {self.attempt})")
         return True
 
     def storage_down_until(self) -> float:

@@ -9,6 +9,7 @@ checkpoints are set aside, never resumed from.
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
@@ -18,6 +19,8 @@ from orchestrator.core.journal import Journal
 from orchestrator.core.osutil import is_missing, read_json, write_json_atomic
 from orchestrator.core.rundir import RunDir
 from orchestrator.core.spec import JobSpec
+
+log = logging.getLogger(__name__)
 
 
 class IncompatibleResume(Exception):
@@ -29,7 +32,7 @@ class Admission:
     forced: dict | None = None   # what --force let through: changed keys, old and new hash
 
 
-def admit(spec: JobSpec, rd: RunDir, force: bool, say) -> Admission:
+def admit(spec: JobSpec, rd: RunDir, force: bool) -> Admission:
     """Refuse to resume under a changed training hash unless ``force``."""
     info = read_json(rd.run_info)
     if not info or not info.get("training_hash"):
@@ -51,17 +54,17 @@ def admit(spec: JobSpec, rd: RunDir, force: bool, say) -> Admission:
             f"Resuming would continue its checkpoints with a different training. Use another "
             f"run_dir for a new run, or `orchestrator run --force` (orchestrator.run(..., "
             f"force=True)) to resume anyway.")
-    say(f"resuming despite changed {what} (--force)")
+    log.info(f"resuming despite changed {what} (--force)")
     return Admission({"changed": changed, "old_hash": old, "new_hash": new})
 
 
 def record(spec: JobSpec, rd: RunDir, journal: Journal, admission: Admission,
-           store: tiers.TieredStore, had_events: bool, say) -> None:
+           store: tiers.TieredStore, had_events: bool) -> None:
     """Write ``run.json`` for a new run (setting aside an earlier run's local checkpoints), or
     update it for a forced resume."""
     info = read_json(rd.run_info)
     if info is None and not had_events and is_missing(rd.run_info):
-        set_aside_earlier_checkpoints(store, journal, say)
+        set_aside_earlier_checkpoints(store, journal)
     if info is None:
         write_json_atomic(rd.run_info, {"name": spec.name, "created": time.time(),
                                         "job_path": spec.job_path,
@@ -77,7 +80,7 @@ def record(spec: JobSpec, rd: RunDir, journal: Journal, admission: Admission,
             + [info.get("training_hash")]))
 
 
-def set_aside_earlier_checkpoints(store: tiers.TieredStore, journal: Journal, say) -> None:
+def set_aside_earlier_checkpoints(store: tiers.TieredStore, journal: Journal) -> None:
     """A new run (no run.json, no journal) finds local checkpoints: an earlier run at this
     run directory, since deleted, left them. Never resume from them; keep them aside."""
     moved = tiers.set_aside_local(store)
@@ -85,6 +88,6 @@ def set_aside_earlier_checkpoints(store: tiers.TieredStore, journal: Journal, sa
         dest, n = moved
         journal.append(Event.LOCAL_CHECKPOINTS_SET_ASIDE, path=store.local.root,
                        moved_to=dest, entries=n)
-        say(f"the local checkpoint folder {store.local.root} held {n} entr"
-            f"{'y' if n == 1 else 'ies'} of an earlier run in this run directory (its "
-            f"run.json is gone): moved to {dest}; this run starts from scratch")
+        log.info(f"the local checkpoint folder {store.local.root} held {n} entr"
+                 f"{'y' if n == 1 else 'ies'} of an earlier run in this run directory (its "
+                 f"run.json is gone): moved to {dest}; this run starts from scratch")

@@ -30,6 +30,7 @@ trains the next one is started behind it, and its own exit is told to it.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import queue
 import signal
@@ -50,6 +51,8 @@ from orchestrator.supervise.group import (STACK_DUMP_WAIT_S, EngineUnavailable, 
 from orchestrator.supervise.hangs import dump_stacks
 from orchestrator.supervise.messages import Beat, Committed, Exited, Stop, Tick
 from orchestrator.supervise.procs import identity_record
+
+log = logging.getLogger(__name__)
 
 
 class Stopped(Exception):
@@ -98,13 +101,13 @@ class Every:
 
 class Attempt:
     def __init__(self, n: int, cmd: list[str], env: dict, *, spec: JobSpec, rd: RunDir, slot,
-                 journal, say, standby, engine=None):
+                 journal, standby, engine=None):
         """Attempt ``n`` of ``spec``'s run: ``cmd`` in ``env`` for each worker. ``slot``: the
         worker slot (its queue, its hang clock); ``engine``: who places a group (None: one
         worker, spawned here); ``standby``: the standby keeper, whose process may be it."""
         self.n, self.cmd, self.env, self.rd = n, cmd, env, rd
         self.cwd, self.stop_grace = spec.job_dir, spec.stop_grace
-        self.events, self.hang, self.journal, self.say = slot.events, slot.hang, journal, say
+        self.events, self.hang, self.journal = slot.events, slot.hang, journal
         self.group = engine is not None
         self.engine = engine if self.group else LocalEngine()
         self.size = spec.workers if self.group else 1
@@ -261,7 +264,7 @@ class Attempt:
         self.journal.append(Event.NODE_LOST, attempt=self.n, engine=self.engine.name,
                             ranks=ranks, reason=m.info.get("lost"), **lost)
         bound = self.engine.placement_timeout()
-        self.say(f"attempt {self.n}: node {lost['node']} left the cluster with rank(s) "
+        log.info(f"attempt {self.n}: node {lost['node']} left the cluster with rank(s) "
                  f"{', '.join(map(str, ranks))}: stopping the group; the next one waits for "
                  f"capacity" + (f" up to {bound:.0f} s" if bound is not None else ""))
 
@@ -300,14 +303,14 @@ class Attempt:
                             last_heartbeat_age_s=round(age, 3), timeout_s=self.hang.timeout,
                             pid=chief.pid, **ranks)
         if self.group:
-            self.say(f"attempt {self.n}: no heartbeat from rank {silent} "
+            log.info(f"attempt {self.n}: no heartbeat from rank {silent} "
                      f"({chief.node or chief.host}) for {age:.1f} s (limit "
                      f"{self.hang.timeout:g} s): dumping every rank's stacks into its log and "
                      f"stopping the group")
             self.signal(heartbeat.STACK_DUMP_SIGNAL)
             time.sleep(STACK_DUMP_WAIT_S)
         else:
-            self.say(f"attempt {self.n}: no heartbeat for {age:.1f} s (limit "
+            log.info(f"attempt {self.n}: no heartbeat for {age:.1f} s (limit "
                      f"{self.hang.timeout:g} s): dumping its stacks into {self.log} and "
                      f"stopping it")
             dump_stacks(chief.pid, self.log)

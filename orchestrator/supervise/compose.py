@@ -12,6 +12,7 @@ default resolved by identity.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 from dataclasses import dataclass
@@ -35,6 +36,8 @@ from orchestrator.supervise.controlmirror import ControlMirror
 from orchestrator.supervise.lease import LeaseKeeper
 from orchestrator.supervise.ledger import CheckpointLedger
 from orchestrator.supervise.slot import WorkerSlot
+
+log = logging.getLogger(__name__)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -79,12 +82,11 @@ class RunDirectory:
         self.journal = Journal(rd.journal)
         self.console = Progress(out or sys.stdout, rd.control, spec.epochs)
         self.lock = RunLock(rd.root, stale_after=spec.lock_stale_after)
-        self.outage = Outage(self.journal, rd.root, self.console.say, clock=clock)
+        self.outage = Outage(self.journal, rd.root, clock=clock)
         # past the lease the worker is paused through the slot; a lost lock stops the run
         self.lease = LeaseKeeper(self.lock, Lease(spec.lock_stale_after, clock), self.outage,
                                  self.journal, slot.hang, slot.signal,
-                                 on_lost=lambda lost: slot.stop(), say=self.console.say,
-                                 clock=clock)
+                                 on_lost=lambda lost: slot.stop(), clock=clock)
         self.control = ControlMirror(rd, self.outage, hold=self.lease.hold, clock=clock)
 
     def take(self) -> dict | None:
@@ -103,11 +105,9 @@ class Recovery:
     def __init__(self, spec: JobSpec, env: dict | None, faults, slot: WorkerSlot,
                  run_dir: RunDirectory, clock: Clock):
         self.spec, self.env, self.journal = spec, env, run_dir.journal
-        self.say = run_dir.console.say
         self.faults = [faults_mod.parse(f).text for f in faults]
         faults_mod.check_ranks(self.faults, spec.workers)
-        self.remedies = Remedies(spec, self.base_env, own_pgid=slot.pgid, sleep=slot.sleep,
-                                 say=self.say)
+        self.remedies = Remedies(spec, self.base_env, own_pgid=slot.pgid, sleep=slot.sleep)
         self.policy = RecoveryPolicy(spec.recovery, spec.restarts,
                                      applicable=self.remedies.applicable, clock=clock.time)
         self._accel_ok: bool | None = None
@@ -143,7 +143,7 @@ class Recovery:
                                 **res.as_dict())
         if running and changed and not res.ok:
             self.journal.append(Event.ACCELERATOR_LOST, attempt=attempt, **res.as_dict())
-            self.say(f"accelerator lost during attempt {attempt}: {res.detail}")
+            log.info(f"accelerator lost during attempt {attempt}: {res.detail}")
         self._accel_ok = res.ok
 
 
@@ -165,7 +165,7 @@ class Checkpoints:
         self.mirror = DurableMirror(self.store, run_dir.journal, c.retention,
                                     c.upload_backoff_initial, c.upload_backoff_max,
                                     remount=remount or remount_hook(spec),
-                                    say=run_dir.console.say, hold=run_dir.lease.hold,
+                                    hold=run_dir.lease.hold,
                                     outage=run_dir.outage, clock=clock)
         self.ledger = CheckpointLedger(self.store, run_dir.journal, run_dir.console,
                                        on_progress=recovery.policy.progress,

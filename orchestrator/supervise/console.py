@@ -1,10 +1,11 @@
 """What a person watching a run sees: one line per epoch, faults that stand out, a live bar.
 
 The supervisor calls this module at each moment worth a line (attempt started, epoch committed,
-fault, restart, end). Each epoch line says the attempt, the restarts so far, the last
-checkpoint and the ETA. Where the output is a terminal or a notebook cell, a bar within the
-epoch is drawn by tqdm (``tqdm.auto``: a widget in a notebook with ipywidgets, as on Colab, a
-text bar on a terminal) from the worker's ``heartbeat.json`` (watched with watchdog, not
+fault, restart); every other line is a log line of the ``orchestrator`` loggers, which a run
+routes here (``line``, core/logs.py). Each epoch line says the attempt, the restarts so far,
+the last checkpoint and the ETA. Where the output is a terminal or a notebook cell, a bar within
+the epoch is drawn by tqdm (``tqdm.auto``: a widget in a notebook with ipywidgets, as on Colab,
+a text bar on a terminal) from the worker's ``heartbeat.json`` (watched with watchdog, not
 polled); elsewhere (a log file, a pipe) no bar is ever made, only whole lines, because log files
 and the tests that read them rely on one line per epoch. The worker's own output, TensorFlow's
 log noise included, goes to ``attempts/<n>.log`` and never here.
@@ -91,18 +92,18 @@ class Progress:
             self._close_bar()
 
     # ------------------------------------------------------------------ moments
-    def say(self, msg: str) -> None:
-        self._line(f"{PREFIX} {msg}")
+    def _say(self, msg: str) -> None:
+        self.line(f"{PREFIX} {msg}")
 
     def fault(self, msg: str) -> None:
         """A fault, its kind and the action taken: a line that stands out."""
         text = f"{PREFIX} !! {msg}"
-        self._line(f"{_BOLD}{_RED}{text}{_RESET}" if self.interactive else text)
+        self.line(f"{_BOLD}{_RED}{text}{_RESET}" if self.interactive else text)
 
     def attempt_started(self, n: int, from_epoch: int) -> None:
         self.attempt = n
         # no "of N": preemptions and errors have budgets of their own, on the fault line
-        self.say(f"attempt {n} started at epoch {from_epoch}/{self.epochs}"
+        self._say(f"attempt {n} started at epoch {from_epoch}/{self.epochs}"
                  + (f" (restart {self.restarts})" if self.restarts else ""))
 
     def restarted(self, restarts: int, attempt: int, kind: str, how: str, action: str) -> None:
@@ -117,7 +118,7 @@ class Progress:
         ckpt = (f"checkpoint epoch {self.checkpoint[0]} (step {self.checkpoint[1]})"
                 if self.checkpoint else "no checkpoint yet")
         eta = self.eta(epoch)
-        self.say(f"epoch {epoch}/{self.epochs} {fmt_metrics(metrics)} | attempt {attempt}, "
+        self._say(f"epoch {epoch}/{self.epochs} {fmt_metrics(metrics)} | attempt {attempt}, "
                  f"{self.restarts} restart(s), {ckpt}"
                  + (f", ETA {fmt_duration(eta)}" if eta is not None else ""))
 
@@ -170,7 +171,9 @@ class Progress:
             self._bar.close()
             self._bar, self._bar_key = None, None
 
-    def _line(self, text: str) -> None:
+    def line(self, text: str) -> None:
+        """A whole line (the bar wiped first): the console's own, and the orchestrator's log
+        lines while a run routes them here (core/logs.routed)."""
         with self._lock:
             self._close_bar()
             print(text, file=self.out, flush=True)

@@ -24,8 +24,8 @@ what was held back) once.
 from __future__ import annotations
 
 import json
+import logging
 import os
-import sys
 import threading
 import time
 from typing import Callable
@@ -38,6 +38,8 @@ from orchestrator.core.journal import append_lines
 from orchestrator.core.osutil import complete_lines, file_size, is_missing, write_atomic
 from orchestrator.core.outage import Outage
 from orchestrator.core.rundir import ATTEMPTS_DIR, FAULTS_DIR, JOURNAL_FILE, RunDir, rank_of
+
+log = logging.getLogger(__name__)
 
 CONTROL_SYNC_S = 0.5
 # While the run directory is down, retry every 0.5 s growing to 5 s: a returning mount is seen
@@ -163,9 +165,9 @@ class ControlMirror:
             return True
         done = self.flush(flush_timeout)
         if not done:
-            print(f"[orchestrator] the run directory {self.rd.root} is still unreachable: "
-                  f"{self.held_back()} are kept in {self.rd.control}; starting the run again on "
-                  f"this machine delivers them", file=sys.stderr, flush=True)
+            log.warning(f"the run directory {self.rd.root} is still unreachable: "
+                        f"{self.held_back()} are kept in {self.rd.control}; starting the run "
+                        f"again on this machine delivers them")
         return done
 
     # ---------------------------------------------------------------- one pass

@@ -8,6 +8,7 @@ tried, and says on the console where to look.
 """
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import time
@@ -21,6 +22,8 @@ from orchestrator.core.rundir import RunDir
 from orchestrator.core.spec import JobSpec
 from orchestrator.recovery.policy import Decision
 from orchestrator.supervise.attempt import Outcome
+
+log = logging.getLogger(__name__)
 
 
 class RunEnd:
@@ -39,8 +42,8 @@ class RunEnd:
             self.journal.append(Event.RUN_COMPLETED, epochs=final.epoch, weights_sha256=fp,
                                 state_sha256=final.manifest.get("state_sha256"),
                                 checkpoint=final.path, durable_pending=pending, **counters)
-        self.console.say(f"run '{self.spec.name}' completed: {final.epoch} epochs, "
-                         f"{counters['restarts']} restart(s) this session; weights sha256 {fp}")
+        log.info(f"run '{self.spec.name}' completed: {final.epoch} epochs, "
+                 f"{counters['restarts']} restart(s) this session; weights sha256 {fp}")
         self._export(final)
         return 0
 
@@ -54,11 +57,11 @@ class RunEnd:
                             error=summary(outcome.error), epoch=epoch, kind=decision.kind,
                             evidence=evidence, tried=tried, **counters)
         self.console.fault(f"FAULT {decision.kind}: {outcome.describe()} -> giving up")
-        say = self.console.say
-        say(f"run '{self.spec.name}' FAILED at epoch {epoch}/{self.spec.epochs}: "
-            f"{decision.reason}")
-        say(f"  kind: {decision.kind}; evidence: {evidence or '?'}")
-        say(f"  tried: {', '.join(tried) or 'nothing (not retryable)'}; log: {outcome.log}")
+        log.info(f"run '{self.spec.name}' FAILED at epoch {epoch}/{self.spec.epochs}: "
+                 f"{decision.reason}")
+        log.info(f"  kind: {decision.kind}; evidence: {evidence or '?'}")
+        log.info(f"  tried: {', '.join(tried) or 'nothing (not retryable)'}; "
+                 f"log: {outcome.log}")
         return 1
 
     def _flush_durable(self) -> list[int]:
@@ -69,7 +72,7 @@ class RunEnd:
             local = self.mirror.store.local.root
             self.journal.append(Event.DURABLE_BACKLOG, steps=pending, at="run_end",
                                 local_dir=local)
-            self.console.say(
+            log.info(
                 f"WARNING: {len(pending)} checkpoint(s) are not durable after {timeout:.0f} s "
                 f"(steps {pending}); they are only in {local}. Run the same command again on "
                 f"this machine to flush them.")
@@ -82,28 +85,28 @@ class RunEnd:
             return
         done = read_json(os.path.join(self.rd.export, "export.json")) or {}
         if done.get("weights_sha256") == final.manifest.get("weights_sha256"):
-            self.console.say(f"the model for inference is in {self.rd.export}")
+            log.info(f"the model for inference is in {self.rd.export}")
             return
-        log = os.path.join(self.rd.attempts, "export.log")
+        log_path = os.path.join(self.rd.attempts, "export.log")
         if not self.run_dir_back(self.spec.checkpoint.flush_timeout):
-            self.journal.append(Event.EXPORT_FAILED, exit_code=None, log=log,
+            self.journal.append(Event.EXPORT_FAILED, exit_code=None, log=log_path,
                                 reason="the run directory is unreachable")
-            self.console.say(f"export skipped: the run directory {self.rd.root} is unreachable; "
-                             f"retry with `orchestrator export {self.rd.root}` once it is back")
+            log.info(f"export skipped: the run directory {self.rd.root} is unreachable; "
+                     f"retry with `orchestrator export {self.rd.root}` once it is back")
             return
         t0 = time.time()
-        with open(log, "ab") as f:
+        with open(log_path, "ab") as f:
             rc = subprocess.call(self.export_cmd(self.spec), stdout=f, stderr=subprocess.STDOUT,
                                  stdin=subprocess.DEVNULL, cwd=self.spec.job_dir,
                                  env=self.export_env())
         if rc == 0:
             self.journal.append(Event.EXPORTED, path=self.rd.export, step=final.step,
                                 seconds=round(time.time() - t0, 3))
-            self.console.say(f"exported the model for inference to {self.rd.export}")
+            log.info(f"exported the model for inference to {self.rd.export}")
         else:
-            self.journal.append(Event.EXPORT_FAILED, exit_code=rc, log=log)
-            self.console.say(f"export failed (exit code {rc}); see {log}; retry with "
-                             f"`orchestrator export {self.rd.root}`")
+            self.journal.append(Event.EXPORT_FAILED, exit_code=rc, log=log_path)
+            log.info(f"export failed (exit code {rc}); see {log_path}; retry with "
+                     f"`orchestrator export {self.rd.root}`")
 
 
 def summary(error: dict | None) -> dict | None:

@@ -9,6 +9,7 @@ is in the lock, ``on_lost`` is told and nothing more is written.
 """
 from __future__ import annotations
 
+import logging
 import signal
 import threading
 from typing import Callable
@@ -20,15 +21,16 @@ from orchestrator.core.lock import Lease, LockLost, RunLock
 from orchestrator.core.outage import Outage
 from orchestrator.supervise.hangs import HangClock
 
+log = logging.getLogger(__name__)
+
 
 class LeaseKeeper:
     def __init__(self, lock: RunLock, lease: Lease, outage: Outage, journal: Journal,
                  hang: HangClock, signal_worker: Callable[[int], int | None],
-                 on_lost: Callable[[LockLost], None], say: Callable[[str], None],
-                 clock: Clock = SYSTEM):
+                 on_lost: Callable[[LockLost], None], clock: Clock = SYSTEM):
         self.lock, self.lease, self.outage, self.journal = lock, lease, outage, journal
         self.clock = clock
-        self.hang, self.signal_worker, self.say = hang, signal_worker, say
+        self.hang, self.signal_worker = hang, signal_worker
         self._on_lost = [on_lost]
         self.held = threading.Event()  # clear while the worker is paused
         self.held.set()
@@ -80,7 +82,7 @@ class LeaseKeeper:
         pgid = self.signal_worker(signal.SIGSTOP)
         self.journal.append(Event.WORKER_PAUSED, pid=pgid, lease_s=self.lease.lease_s,
                             stale_after_s=self.lease.stale_after)
-        self.say(f"the lock could not be refreshed for {self.lease.lease_s:.0f} s: the worker is "
+        log.info(f"the lock could not be refreshed for {self.lease.lease_s:.0f} s: the worker is "
                  f"paused, so that no other machine can take the run over while it trains")
 
     def _resume(self) -> None:
@@ -90,4 +92,4 @@ class LeaseKeeper:
         self.hang.resume()
         self.held.set()
         self.journal.append(Event.WORKER_RESUMED, pid=pgid, paused_s=round(paused, 3))
-        self.say(f"the lock is ours again: the worker goes on after {paused:.0f} s paused")
+        log.info(f"the lock is ours again: the worker goes on after {paused:.0f} s paused")

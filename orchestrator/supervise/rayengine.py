@@ -19,6 +19,7 @@ else ``RAY_ADDRESS``, else a local Ray started by ``ray.init()``.
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import signal
 import threading
@@ -31,6 +32,8 @@ from orchestrator.supervise import rayconnect, relay
 from orchestrator.supervise.procs import identity_record, spawn
 from orchestrator.supervise.group import EngineUnavailable, Member, free_port
 from orchestrator.supervise.messages import Exited
+
+log = logging.getLogger(__name__)
 
 # What Ray sets in an actor for the resources of its bundle; the worker must see the same.
 RAY_DEVICE_ENV = ("CUDA_VISIBLE_DEVICES", "TPU_VISIBLE_CHIPS", "TPU_CHIPS_PER_HOST_BOUNDS",
@@ -166,7 +169,7 @@ class NodeMirror:
 class RayEngine:
     name = "ray"
 
-    def __init__(self, address: str | None, resources: dict, say=print, journal=None,
+    def __init__(self, address: str | None, resources: dict, journal=None,
                  tiers: tuple | None = None):
         """Connect as Ray's driver (rayconnect.py: bounded by ``CONNECT_TIMEOUT_ENV``, in the
         cluster's authentication mode), journaled either way. ``tiers``: (local root, durable
@@ -174,7 +177,7 @@ class RayEngine:
         node. ``ENV_RAY_NODE_ADDRESS`` names this node's address where Ray cannot find it."""
         if importlib.util.find_spec("ray") is None:
             raise RayUnavailable("engine: ray needs Ray: pip install 'orchestrator[ray]'")
-        self.resources, self.say, self.journal = dict(resources), say, journal
+        self.resources, self.journal = dict(resources), journal
         address = address or os.environ.get("RAY_ADDRESS") or None
         timeout = float(os.environ.get(CONNECT_TIMEOUT_ENV, "60"))
         node = os.environ.get(ENV_RAY_NODE_ADDRESS) or None
@@ -204,7 +207,7 @@ class RayEngine:
         self.pg = placement_group([dict(self.resources)] * size, strategy="SPREAD")
         timeout = self.placement_timeout()
         if not self.pg.wait(min(1.0, timeout)):  # not at once: say what it waits for
-            self.say(f"waiting up to {timeout:.0f} s for Ray to place {size} worker(s) of "
+            log.info(f"waiting up to {timeout:.0f} s for Ray to place {size} worker(s) of "
                      f"{self.resources} each (a node lost or busy; ray status shows them)")
             if not self.pg.wait(max(0.0, timeout - 1.0)):
                 raise RayUnavailable(f"Ray could not place {size} worker(s) of "

@@ -23,6 +23,7 @@ control mirror's thread also keeps the lock, under the takeover rule of ``core/l
 """
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import signal
@@ -30,7 +31,7 @@ import socket
 
 from watchdog.observers import Observer
 
-from orchestrator.core import heartbeat
+from orchestrator.core import heartbeat, logs
 from orchestrator.core.clock import SYSTEM, Clock
 from orchestrator.core.events import Event
 from orchestrator.core.lock import LockLost
@@ -47,6 +48,8 @@ from orchestrator.supervise.group import LocalEngine
 from orchestrator.supervise.procs import kill_orphans
 from orchestrator.supervise.slot import WorkerSlot, watch
 from orchestrator.supervise.standby import StandbyKeeper
+
+log = logging.getLogger(__name__)
 
 
 class Supervisor:
@@ -81,7 +84,12 @@ class Supervisor:
 
     # ------------------------------------------------------------------ public
     def run(self) -> int:
-        """Run (or resume) the job to completion. Returns the process exit code."""
+        """Run (or resume) the job to completion. Returns the process exit code. The
+        orchestrator's log lines go to the console meanwhile (core/logs.routed)."""
+        with logs.routed(self.console.line):
+            return self._run()
+
+    def _run(self) -> int:
         stale = self.run_dir.outage.retry_start(self.run_dir.take)  # LockedError propagates
         old_handlers = self.slot.install_signal_handlers()
         observer = Observer()
@@ -101,7 +109,7 @@ class Supervisor:
                 self.slot.stop_signal = signal.SIGINT
             self._stop_for_preemption()
             self.journal.append(Event.SUPERVISOR_STOPPED, reason="signal")
-            self.say("stopped; the run resumes when `orchestrator run` is started again")
+            log.info("stopped; the run resumes when `orchestrator run` is started again")
             return EXIT_STOPPED
         finally:
             self.slot.end()
@@ -126,9 +134,6 @@ class Supervisor:
     @property
     def lock_lost(self) -> LockLost | None:
         return self.run_dir.lease.lost
-
-    def say(self, msg: str) -> None:
-        self.console.say(msg)
 
     # ------------------------------------------------------------------ the loop
     def _supervise(self) -> int:
@@ -160,7 +165,7 @@ class Supervisor:
             env[ENV_RESTORE_STEP] = self._group_restore_step()
         attempt = self.slot.attempt = Attempt(
             n, self.commands.worker(self.spec, n), env, spec=self.spec, rd=self.rd,
-            slot=self.slot, journal=self.journal, say=self.say, standby=self.standby,
+            slot=self.slot, journal=self.journal, standby=self.standby,
             engine=self.engine)
         attempt.start(self.ledger.latest_epoch())  # the standby's process, or a cold start
         self.console.attempt_started(n, self.ledger.latest_epoch())
@@ -215,7 +220,7 @@ class Supervisor:
         """Another supervisor owns the run now: kill our worker at once (it is paused, and must
         not commit anything) and leave the run directory to it."""
         self.slot.end(grace=0.0)
-        self.say(f"{self.lock_lost}; this supervisor stops. What it held back stays in "
+        log.info(f"{self.lock_lost}; this supervisor stops. What it held back stays in "
                  f"{self.rd.control}.")
         return EXIT_LOCK_LOST
 
@@ -228,7 +233,7 @@ class Supervisor:
         self.ledger.scan()
         pending = self.checkpoints.flush(max(0.0, deadline - self.clock.monotonic()))
         if pending:
-            self.say(f"{len(pending)} checkpoint(s) not durable yet (steps {pending}); they "
+            log.info(f"{len(pending)} checkpoint(s) not durable yet (steps {pending}); they "
                      f"are in {self.checkpoints.store.local.root}")
 
     # ------------------------------------------------------------------ groups
@@ -240,7 +245,7 @@ class Supervisor:
             from orchestrator.supervise.rayengine import RayEngine
 
             store = self.checkpoints.store  # ranks on other nodes make their durable copies
-            return RayEngine(self.spec.address, dict(self.spec.worker_resources), self.say,
+            return RayEngine(self.spec.address, dict(self.spec.worker_resources),
                              journal=self.journal, tiers=(store.local.root, store.durable.root,
                                                           self.spec.checkpoint.retention))
         return LocalEngine()
@@ -253,7 +258,7 @@ class Supervisor:
             return ""
         if self.spec.engine == "ray":
             if latest.step in self.checkpoints.flush(self.spec.checkpoint.flush_timeout):
-                self.say(f"checkpoint step {latest.step} is not durable yet: ranks on other "
+                log.info(f"checkpoint step {latest.step} is not durable yet: ranks on other "
                          f"nodes may not see it")
         return str(latest.step)
 
@@ -262,7 +267,7 @@ class Supervisor:
 
     # ------------------------------------------------------------------ run lifecycle
     def _open_run(self, stale: dict | None, merged: dict) -> None:
-        admitted = admission.admit(self.spec, self.rd, self.force, self.say)
+        admitted = admission.admit(self.spec, self.rd, self.force)
         events = self.journal.events()
         self.ledger.recall(events)
         self.policy.preemptions = sum(1 for e in events if e["event"] == Event.RECOVERY
@@ -270,30 +275,30 @@ class Supervisor:
         self.last_attempt = max((e["attempt"] for e in events
                                  if e["event"] == Event.ATTEMPT_STARTED), default=0)
         if merged.get("set_aside"):
-            self.say(f"a new run: the control state of an earlier run here is kept aside in "
+            log.info(f"a new run: the control state of an earlier run here is kept aside in "
                      f"{merged['set_aside']}")
         if merged.get("to_run_dir") or merged.get("from_run_dir"):
-            self.say(f"merged the journals: {merged['to_run_dir']} event(s) this machine held "
+            log.info(f"merged the journals: {merged['to_run_dir']} event(s) this machine held "
                      f"back, {merged['from_run_dir']} from the run directory")
         if stale:
-            self.say(f"took over the run directory from a dead supervisor ({stale['reason']})")
+            log.info(f"took over the run directory from a dead supervisor ({stale['reason']})")
             self.journal.append(Event.LOCK_TAKEN_OVER, previous=stale)
             kill_orphans(events, self.journal)
         if self.cell is None:
             shutil.copyfile(self.spec.job_path, self.rd.job_copy)
         else:
             path = self.cell.freeze(self.rd.job_copy)
-            self.say(f"the job's functions ({', '.join(self.cell.code.names)}) are carried in "
+            log.info(f"the job's functions ({', '.join(self.cell.code.names)}) are carried in "
                      f"{path} ({len(self.cell.code.blob) / 1024:.0f} KiB)")
         admission.record(self.spec, self.rd, self.journal, admitted, self.checkpoints.store,
-                         had_events=bool(events), say=self.say)
+                         had_events=bool(events))
         self.recovery.remedies.recall(events)
         resumed = bool(events)
         self.journal.append(Event.RUN_RESUMED if resumed else Event.RUN_STARTED,
                             job=self.spec.job_path, epochs=self.spec.epochs, pid=os.getpid(),
                             host=socket.gethostname())
         self.ledger.scan()
-        self.say(f"{'resuming' if resumed else 'starting'} run '{self.spec.name}' in "
+        log.info(f"{'resuming' if resumed else 'starting'} run '{self.spec.name}' in "
                  f"{self.rd.root} at epoch {self.ledger.latest_epoch()}/{self.spec.epochs}")
 
     def _journal_ended(self, outcome: Outcome, error: dict | None, kind: str,

@@ -5,9 +5,12 @@ the supervisor still never calls into it.
 """
 from __future__ import annotations
 
+import logging
 import os
 
 from orchestrator.core import tpuvm
+
+log = logging.getLogger(__name__)
 
 
 class AcceleratorUnavailable(RuntimeError):
@@ -88,10 +91,10 @@ def shutdown_tpu_system(tf, resolver) -> None:
     """Best effort: a TPU system that was never initialised cannot be shut down, which is fine."""
     try:
         tf.tpu.experimental.shutdown_tpu_system(resolver)
-        print("[worker] TPU system shut down before initialising it again", flush=True)
+        log.info("TPU system shut down before initialising it again")
     except (tf.errors.OpError, RuntimeError, ValueError) as exc:
-        print(f"[worker] TPU system shutdown before re-initialisation failed ({exc}); "
-              f"initialising anyway", flush=True)
+        log.info(f"TPU system shutdown before re-initialisation failed ({exc}); "
+                 f"initialising anyway")
 
 
 def gpu_memory_growth() -> None:
@@ -104,4 +107,4 @@ def gpu_memory_growth() -> None:
         try:
             tf.config.experimental.set_memory_growth(gpu, True)
         except RuntimeError as exc:  # devices already initialised: nothing to change now
-            print(f"[worker] GPU memory growth not set ({exc})", flush=True)
+            log.info(f"GPU memory growth not set ({exc})")

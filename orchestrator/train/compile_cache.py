@@ -16,10 +16,13 @@ stops training.
 """
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import threading
 import uuid
+
+log = logging.getLogger(__name__)
 
 CACHE_DIR = "jax-cache"
 JAX_CACHE_ENV = "JAX_COMPILATION_CACHE_DIR"  # JAX's own setting, read as the local folder
@@ -119,4 +122,4 @@ class CompileCache:
     def _say(self, what: str) -> None:
         if not self._said:
             self._said = True
-            print(f"[worker] compile cache: {what}", flush=True)
+            log.info(f"compile cache: {what}")

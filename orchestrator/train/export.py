@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import os
 import shutil
 import sys
@@ -22,12 +23,15 @@ import time
 import uuid
 
 from orchestrator.checkpoint import tiers
+from orchestrator.core import logs
 from orchestrator.core.osutil import read_json, sha256_file, write_json_atomic
 from orchestrator.core.rundir import EXIT_CONFIG, RunDir
 from orchestrator.core.spec import SpecError
 from orchestrator.core.specload import load
 from orchestrator.train import jobcode
 from orchestrator.train.jobcode import JobError
+
+log = logging.getLogger("orchestrator.train.export")  # its name as __main__ too (python -m)
 
 
 class ExportError(Exception):
@@ -43,7 +47,7 @@ def export(run_dir: str, out: str | None = None) -> dict:
     spec = dataclasses.replace(spec, job_dir=os.path.dirname(info.get("job_path")
                                                              or rd.job_copy))
     latest = tiers.for_spec(spec).latest_valid(
-        on_skip=lambda c, why: print(f"[export] skipped {c.path}: {why}", flush=True))
+        on_skip=lambda c, why: log.info(f"skipped {c.path}: {why}"))
     if latest is None:
         raise ExportError(f"{rd.root}: no checkpoint verifies; nothing to export")
 
@@ -80,8 +84,8 @@ def at_end(spec, rd: RunDir, store, model, journal, heart, attempt,
         with heart.beating(phase=Phase.EXPORTING, epoch=final.epoch, step=final.step):
             write(model, spec, final, rd.export)
     except Exception as exc:  # noqa: BLE001 - the run is done; the supervisor's exporter retries
-        print(f"[worker] export failed, the supervisor will retry it in its own process: "
-              f"{type(exc).__name__}: {exc}", flush=True)
+        log.info(f"export failed, the supervisor will retry it in its own process: "
+                 f"{type(exc).__name__}: {exc}", extra={"tag": "worker"})  # the worker's line
         journal.append(Event.EXPORT_FAILED, source="worker", attempt=attempt, error=str(exc))
         return
     journal.append(Event.EXPORTED, source="worker", attempt=attempt, path=rd.export,
@@ -126,7 +130,7 @@ def write(model, spec, checkpoint, out: str) -> dict:
         else:
             why_not = why_not or _NO_CALL
         if keras_file != "model.keras":
-            print(f"[export] no model.keras: {keras_file}", flush=True)
+            log.info(f"no model.keras: {keras_file}")
         if why_not is None:
             why_not = _attempt(lambda: model.export(os.path.join(tmp, "saved_model"),
                                                     format="tf_saved_model", verbose=False),
@@ -134,8 +138,8 @@ def write(model, spec, checkpoint, out: str) -> dict:
             if why_not is not None:
                 shutil.rmtree(os.path.join(tmp, "saved_model"), ignore_errors=True)
         if why_not is not None:
-            print(f"[export] no saved_model/: {why_not}; {', '.join(sorted(files))} "
-                  f"written", flush=True)
+            log.info(f"no saved_model/: {why_not}; {', '.join(sorted(files))} "
+                     f"written")
         facts = {
             "run": spec.name, "step": checkpoint.step, "epoch": checkpoint.epoch,
             "checkpoint": checkpoint.path, "weights_sha256": fp,
@@ -193,16 +197,17 @@ def main(argv=None) -> int:
     p.add_argument("run_dir")
     p.add_argument("--out")
     args = p.parse_args(argv)
+    logs.configure()
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # an export for any device: built on the CPU
     try:
         facts = export(args.run_dir, args.out)
     except (ExportError, SpecError, JobError) as exc:
-        print(f"[export] {exc}", file=sys.stderr, flush=True)
+        log.warning(str(exc))
         return EXIT_CONFIG
     written = ", ".join(sorted(facts["files"])) + (
         ", saved_model/" if facts["saved_model"] == "saved_model/" else "")
-    print(f"[export] epoch {facts['epoch']} (step {facts['step']}, weights sha256 "
-          f"{facts['weights_sha256']}) -> {facts['path']}: {written}", flush=True)
+    log.info(f"epoch {facts['epoch']} (step {facts['step']}, weights sha256 "
+             f"{facts['weights_sha256']}) -> {facts['path']}: {written}")
     return 0
 
 

@@ -14,12 +14,15 @@ from __future__ import annotations
 import difflib
 import importlib
 import inspect
+import logging
 import re
 import sys
 from dataclasses import dataclass, field
 
 from orchestrator.core import cellcode
 from orchestrator.core.spec import CELL_MODULE, JobSpec
+
+log = logging.getLogger(__name__)
 
 # Names ``Model.compile`` resolves itself by the labels' shape, which Keras's ``get`` does not
 # know (keras/src/trainers/compile_utils.py: get_metric, get_loss).
@@ -314,9 +317,9 @@ def first_step(spec: JobSpec, model, batch):
         try:
             return model(x, training=False)
         except Exception as exc:  # noqa: BLE001 - fit on TensorFlow defers the build: no refusal
-            print(f"[worker] the model is not built before its first step ({type(exc).__name__}"
-                  f": {str(exc).splitlines()[0] if str(exc) else ''}); its train_step builds "
-                  f"it; a checkpoint restores only into a model its factory builds", flush=True)
+            log.info(f"the model is not built before its first step ({type(exc).__name__}"
+                     f": {str(exc).splitlines()[0] if str(exc) else ''}); its train_step builds "
+                     f"it; a checkpoint restores only into a model its factory builds")
             return None
         finally:
             _put_back(kept)
@@ -386,8 +389,8 @@ def build_model(spec: JobSpec, strategy, data):
             try:  # and the metrics, whose running state a mid-epoch checkpoint holds
                 model.compute_metrics(x, y, y_pred, sample_weight)
             except Exception as exc:  # noqa: BLE001 - built at the first step instead
-                print(f"[worker] metrics not built before training ({exc}); a mid-epoch "
-                      f"resume then restarts the epoch's metrics", flush=True)
+                log.info(f"metrics not built before training ({exc}); a mid-epoch "
+                         f"resume then restarts the epoch's metrics")
         model.reset_metrics()
         if model.optimizer is not None and not model.optimizer.built:
             # what fit does before its first step (Trainer._symbolic_build)

@@ -28,6 +28,7 @@ is for runs where it is not.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import sys
@@ -36,6 +37,8 @@ import traceback
 
 from orchestrator.core.rundir import EXIT_PREEMPTED
 from orchestrator.core.standbymode import StandbyMode
+
+log = logging.getLogger(__name__)
 
 STANDBY_NICE = 19
 STANDBY_OOM_SCORE_ADJ = 1000  # the kernel's OOM killer takes the standby before the worker
@@ -71,7 +74,7 @@ def lower_priority(nice: int = STANDBY_NICE) -> int:
     try:
         _oom_score_adj(STANDBY_OOM_SCORE_ADJ)  # raising it needs no privilege
     except OSError as exc:  # no procfs: only the priority is lowered
-        print(f"[standby] oom_score_adj not raised ({exc})", flush=True)
+        log.info(f"oom_score_adj not raised ({exc})")
     return before
 
 
@@ -107,9 +110,8 @@ def trace(prep) -> None:
     late = [g.where for g in holders.discover(model).groups
             if g.kind == holders.OPTIMIZER and not g.holder.built]
     if late:  # built by the traced step, and a built optimizer cannot be un-built
-        print(f"[standby] not tracing a step: {', '.join(late)} would be built by it (a "
-              f"train_step of the model's own); the promoted worker traces its first step",
-              flush=True)
+        log.info(f"not tracing a step: {', '.join(late)} would be built by it (a "
+                 f"train_step of the model's own); the promoted worker traces its first step")
         return
     before = state.capture(model)
     print_before = state.state_fingerprint(model)
@@ -171,16 +173,16 @@ def serve(spec, rd, attempt: int, mode: str, notice, t0: float, steps) -> int:
         Journal(rd.journal).append(Event.STANDBY_READY, source="worker", for_attempt=attempt,
                                    pid=os.getpid(), mode=mode, phases_s=marks,
                                    rss=resident_bytes())
-        print(f"[standby] ready ({mode}) after {ready_at - t0:.1f} s; waiting", flush=True)
+        log.info(f"ready ({mode}) after {ready_at - t0:.1f} s; waiting")
         order = wait_for_promotion(sys.stdin)
     except Preempted:
         return EXIT_PREEMPTED
     except Exception:  # noqa: BLE001 - a standby that cannot warm up is skipped, not fatal
         traceback.print_exc()
-        print("[standby] failed to warm up; the next recovery is a cold start", flush=True)
+        log.info("failed to warm up; the next recovery is a cold start")
         return 1
     if order is None:
-        print("[standby] discarded", flush=True)
+        log.info("discarded")
         return 0
     t_start = time.time()
     n = order["attempt"]
@@ -188,8 +190,8 @@ def serve(spec, rd, attempt: int, mode: str, notice, t0: float, steps) -> int:
     info = {"mode": mode, "waited_s": round(t_start - ready_at, 3),
             "warm_up_s": round(ready_at - t0, 3), "priority_restored": why_not is None}
     if why_not:
-        print(f"[standby] priority {why_not}", flush=True)
-    print(f"[standby] promoted to attempt {n}", flush=True)
+        log.info(f"priority {why_not}")
+    log.info(f"promoted to attempt {n}")
     progress = Position()
 
     def body():

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import os
 import sys
 import threading
@@ -26,15 +27,17 @@ from orchestrator.recovery.faults import Injector
 from orchestrator.core.heartbeat import HeartbeatWriter, Phase, Position, register_stack_dump
 from orchestrator.core.journal import Journal
 from orchestrator.core.osutil import write_json_atomic
-from orchestrator.core.rundir import (CPU_DEVICES_ENV, ENV_BATCH_SIZE, ENV_REINIT,
-                                      ENV_STRATEGY, EXIT_CONFIG, EXIT_PREEMPTED,
-                                      JOURNAL_FILE, RunDir)
+from orchestrator.core import logs
+from orchestrator.core.rundir import (CPU_DEVICES_ENV, ENV_BATCH_SIZE, ENV_REINIT, ENV_STRATEGY,
+                                      EXIT_CONFIG, EXIT_PREEMPTED, JOURNAL_FILE, RunDir)
 from orchestrator.core.backends import ENV_BACKEND
 from orchestrator.core.spec import JobSpec, SpecError
 from orchestrator.core.specload import load
 from orchestrator.core.standbymode import StandbyMode
 from orchestrator.core.events import Event
 from orchestrator.train.preemption import Preempted, PreemptionNotice
+
+log = logging.getLogger("orchestrator.train.worker")  # its name as __main__ too (python -m)
 
 
 def _watch_parent(poll: float = 0.5) -> None:
@@ -45,7 +48,7 @@ def _watch_parent(poll: float = 0.5) -> None:
         while True:
             time.sleep(poll)
             if os.getppid() != parent:
-                print("[worker] supervisor is gone; exiting", file=sys.stderr, flush=True)
+                log.warning("supervisor is gone; exiting")
                 os._exit(EXIT_CONFIG + 1)
 
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
@@ -219,7 +222,7 @@ def run(prep: Prepared, rd: RunDir, attempt: int, progress, t_start: float, mark
 
     unpromised = exactness(placement, spec.deterministic, backend.exact_on)
     if unpromised and spec.deterministic:
-        print(f"[worker] {unpromised}", flush=True)
+        log.info(unpromised)
     progress.epoch, progress.batch, progress.step = at.epoch, at.batch, at.step
     journal.append(Event.WORKER_READY, source="worker", attempt=attempt, strategy=described,
                    strategy_kind=described.split()[0].lower(), reinitialised=prep.reinitialise,
@@ -237,7 +240,7 @@ def run(prep: Prepared, rd: RunDir, attempt: int, progress, t_start: float, mark
         journal.append(Event.RESUME_NOT_EXACT, source="worker", attempt=attempt, step=at.step,
                        reasons=list(reasons))
         for r in reasons:
-            print(f"[worker] resume not exact: {r}", flush=True)
+            log.info(f"resume not exact: {r}")
 
     if at.not_exact:
         not_exact(at.not_exact)
@@ -246,11 +249,11 @@ def run(prep: Prepared, rd: RunDir, attempt: int, progress, t_start: float, mark
 
         dropped = tensorboard.repair(spec.tensorboard.dir, at.step)
         if dropped:
-            print(f"[worker] tensorboard: dropped {dropped} point(s) past step {at.step} "
-                  f"written by an earlier attempt ({spec.tensorboard.dir})", flush=True)
-    print(f"[worker] attempt {attempt}: {described}, {replicas} replica(s), global batch "
-          f"{global_batch}, resuming at epoch {at.epoch}/{spec.epochs} batch {at.batch}/{spe}"
-          f"{' (a promoted standby)' if standby else ''}", flush=True)
+            log.info(f"tensorboard: dropped {dropped} point(s) past step {at.step} "
+                     f"written by an earlier attempt ({spec.tensorboard.dir})")
+    log.info(f"attempt {attempt}: {described}, {replicas} replica(s), global batch "
+             f"{global_batch}, resuming at epoch {at.epoch}/{spec.epochs} batch {at.batch}/{spe}"
+             f"{' (a promoted standby)' if standby else ''}")
     if at.stopped_early or at.epoch >= spec.epochs:
         return {"epochs": at.epoch, "fingerprint": state.fingerprint(model)}
 
@@ -281,14 +284,11 @@ def run(prep: Prepared, rd: RunDir, attempt: int, progress, t_start: float, mark
             on_epoch_end=lambda epoch, logs: backend.after_compile()),
     ]
     if spec.tensorboard:  # before the checkpoint: a step's points are flushed before it commits
-        inner.append(tensorboard.TensorBoardCallback(spec.tensorboard.dir,
-                                                     spec.tensorboard.every_steps, progress,
-                                                     at.step))
-    inner += [
-        CheckpointCallback(store, spec.checkpoint, progress, spe, spec.epochs, at.history,
-                           base_manifest, states, notice, writer=ckpt_writer,
-                           chief=rank == 0),
-    ]
+        inner.append(tensorboard.TensorBoardCallback(
+            spec.tensorboard.dir, spec.tensorboard.every_steps, progress, at.step))
+    inner.append(CheckpointCallback(store, spec.checkpoint, progress, spe, spec.epochs,
+                                    at.history, base_manifest, states, notice,
+                                    writer=ckpt_writer, chief=rank == 0))
     if injector:
         inner.append(FaultCallback(injector, progress))
     training = OneTraining(inner)
@@ -354,8 +354,8 @@ def _journal_preempted(rd: RunDir, attempt: int, exc: Preempted, progress) -> No
                                    step=exc.step, epoch=progress.epoch, batch=progress.batch,
                                    seconds=round(time.time() - exc.received_at, 3))
     except OSError as write_exc:  # the run dir may be what is going away
-        print(f"[worker] could not journal the preemption: {write_exc}", file=sys.stderr)
-    print(f"[worker] {exc}", file=sys.stderr, flush=True)
+        log.warning(f"could not journal the preemption: {write_exc}")
+    log.warning(str(exc))
 
 
 def write_error_record(rd: RunDir, attempt: int, exc: BaseException, progress,
@@ -377,15 +377,14 @@ def write_error_record(rd: RunDir, attempt: int, exc: BaseException, progress,
     try:
         write_json_atomic(rd.error_record(attempt, rank), record)
     except OSError as write_exc:  # the run dir itself may be what failed (Drive gone)
-        print(f"[worker] could not write the error record: {write_exc}", file=sys.stderr)
+        log.warning(f"could not write the error record: {write_exc}")
 
 
 def guarded(rd: RunDir, attempt: int, progress, body) -> int:
     """Run an attempt's ``body`` and turn how it ended into the exit status the supervisor
     classifies: an error record for every failure, ``EXIT_CONFIG`` for the job's own."""
     try:
-        from orchestrator.train import datasets
-        from orchestrator.train import state
+        from orchestrator.train import datasets, state
 
         try:
             summary = body()
@@ -396,14 +395,13 @@ def guarded(rd: RunDir, attempt: int, progress, body) -> int:
         return EXIT_PREEMPTED
     except JobError as exc:
         write_error_record(rd, attempt, exc, progress, fatal=True)
-        print(f"[worker] error: {exc}", file=sys.stderr, flush=True)
+        log.warning(f"error: {exc}")
         return EXIT_CONFIG
     except Exception as exc:  # noqa: BLE001 - every failure is recorded for the supervisor
         write_error_record(rd, attempt, exc, progress, fatal=False)
         traceback.print_exc()
         return 1
-    print(f"[worker] done: {summary['epochs']} epochs, weights sha256 {summary['fingerprint']}",
-          flush=True)
+    log.info(f"done: {summary['epochs']} epochs, weights sha256 {summary['fingerprint']}")
     return 0
 
 
@@ -422,13 +420,14 @@ def main(argv=None) -> int:
                    help="warm up and wait for a promotion line on stdin")
     args = p.parse_args(argv)
     t_start = time.time()
+    logs.configure()  # the [worker] lines of the attempt's log
     notice = PreemptionNotice().install()
     register_stack_dump()
     _watch_parent()
     try:
         spec = load(args.job, run_dir=args.run_dir, backend=os.environ.get(ENV_BACKEND) or None)
     except SpecError as exc:
-        print(f"[worker] {exc}", file=sys.stderr)
+        log.warning(str(exc))
         return EXIT_CONFIG
     except Preempted:
         return EXIT_PREEMPTED
