@@ -38,6 +38,7 @@ On JAX (``backend: jax``) the same group is one ``jax.distributed`` program unde
 weights of one uninterrupted process with two CPU devices.
 """
 import contextlib
+import fcntl
 import os
 import pathlib
 import re
@@ -56,10 +57,6 @@ from orchestrator.core.procid import ProcessIdentity, signal_proven
 from orchestrator.ops.status import format_status, run_status
 
 pytestmark = pytest.mark.e2e
-# The tests on the cluster run in one test process (scripts/test: --dist loadgroup): two
-# processes each starting the module's cluster on the same loopback addresses collided, and
-# neither cluster came up (seen beside two busy loops: both nodes exited 1).
-ONE_CLUSTER = pytest.mark.xdist_group("ray_cluster")
 
 JOB = """
 name: digits-2w
@@ -205,6 +202,21 @@ class RayCluster:
             _stop(p)
 
 
+@contextlib.contextmanager
+def _one_cluster_at_a_time(tmp_path_factory):
+    """The session's test processes (pytest-xdist) start their module's cluster one after the
+    other: the nodes' loopback addresses are fixed, and two clusters on them collided (seen in a
+    suite run: three processes each started one, and no node joined). pytest-xdist's
+    ``--dist loadgroup`` would keep the tests in one process, but not under pytest 9 (it renames
+    ``item._nodeid``, which pytest 9 no longer reads)."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # pytest-of-USER/pytest-N, shared by the session's processes
+    with open(root / "ray_cluster.lock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)  # released when closed, or with this process
+        yield
+
+
 @pytest.fixture(scope="module")
 def ray_cluster(tmp_path_factory):
     """The three-node loopback cluster with token authentication (the module's docstring),
@@ -215,15 +227,16 @@ def ray_cluster(tmp_path_factory):
     env = dict(os.environ, **RAY_ENV, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=RAY_TOKEN)
     env.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)
     cluster = RayCluster(tmp_path_factory.mktemp("ray"), env)
-    try:
-        cluster.start_head()
-        for ip in NODES:
-            cluster.start_node(ip, wait=False)
-        for ip in NODES:  # every worker node joined before a test asks for placement
-            cluster.joined(ip)
-        yield cluster
-    finally:
-        cluster.stop()
+    with _one_cluster_at_a_time(tmp_path_factory):
+        try:
+            cluster.start_head()
+            for ip in NODES:
+                cluster.start_node(ip, wait=False)
+            for ip in NODES:  # every worker node joined before a test asks for placement
+                cluster.joined(ip)
+            yield cluster
+        finally:
+            cluster.stop()
 
 
 @pytest.fixture
@@ -308,7 +321,6 @@ def test_local_engine_a_hung_rank_stops_the_group_and_it_ends_bit_identical(tmp_
     assert hang["attempt"] == 1 and len(hang["workers"]) == 2
 
 
-@ONE_CLUSTER
 def test_ray_three_nodes_a_hung_rank_0_a_killed_rank_1_a_lost_node_end_bit_identical(
         shared_dir, reference, ray_cluster):
     """On the three-node cluster (no rank on the head, a private /tmp per node): rank 0 hangs
@@ -407,7 +419,6 @@ def test_ray_three_nodes_a_hung_rank_0_a_killed_rank_1_a_lost_node_end_bit_ident
     assert "    rank 1 on 127.0.0." in format_status(s)
 
 
-@ONE_CLUSTER
 def test_ray_without_the_clusters_token_is_one_line_and_an_exit(tmp_path, ray_cluster):
     """No token here for a cluster that requires one (nothing in the environment, an empty
     home): refused at once with one line and exit 2, journaled; no endless retry."""
@@ -426,7 +437,6 @@ def test_ray_without_the_clusters_token_is_one_line_and_an_exit(tmp_path, ray_cl
     assert len(gone) == 1 and "no token was found" in gone[0]["reason"]
 
 
-@ONE_CLUSTER
 def test_ray_a_placement_that_cannot_be_satisfied_is_one_line_and_an_exit(tmp_path,
                                                                           ray_cluster):
     """Three workers of one CPU each, on two worker nodes of one CPU: Ray cannot place them.
