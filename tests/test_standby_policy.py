@@ -19,11 +19,11 @@ def test_a_cpu_bound_worker_on_two_cores_gets_none_until_a_kill_is_seen():
 
 
 def test_after_kills_the_expected_saving_is_weighed_against_the_warm_up_s_cost():
-    # one kill in one attempt: 1 x 3.8 s cold start against 8 s x 0.19 = 1.52 s lost
+    # one kill in one attempt: 1 x 3.8 s cold start against 6 s x 0.45 = 2.7 s lost
     ok, why = worth_it("cpu", 2, Evidence(attempts_ended=1, killed=1, cold_start_s=3.8,
-                                          warm_up_s=8.0))
-    assert ok and "3.8 s expected saved" in why and "1.5 s of training lost" in why
-    # one kill in twenty attempts: 0.19 s expected against the same 1.52 s
+                                          warm_up_s=6.0))
+    assert ok and "3.8 s expected saved" in why and "2.7 s of training lost" in why
+    # one kill in twenty attempts: 0.19 s expected against 8 s x 0.45 = 3.6 s
     ok, why = worth_it("cpu", 2, Evidence(attempts_ended=20, killed=1, cold_start_s=3.8,
                                           warm_up_s=8.0))
     assert not ok and "1 of 20 attempts killed" in why

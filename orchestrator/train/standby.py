@@ -18,8 +18,8 @@ Its session's *autogroup* is left as it is, on purpose. Under ``kernel.sched_aut
 (Linux's default) each session is scheduled as one group with an equal share, and the worker
 and the standby each have a session of their own, so the standby's nice 19 counts only inside
 its own session: while it warms up it takes up to half the CPU from a CPU-bound worker. Measured
-on 2 cores with ResNet-20 (bench, 2026-12-04): the worker trained 1.19x slower for the ~8 s the
-standby took to warm up, once per attempt. With the autogroup lowered to 19 as well, a standby
+on 2 cores with ResNet-20 (bench, 2026-12-05): the worker's epochs took 1.8x as long for the
+~7 s the standby took to warm up, once per attempt. With the autogroup lowered to 19 as well, a standby
 never warmed up between kills 20 s apart (11 of 11 recoveries cold, goodput 0.60 against 0.885)
 and the worker still trained 1.18x slower beside it (the cost of any work on its cores there).
 A bounded, one-time slowdown that buys warm recoveries is the better trade; ``standby: off``
