@@ -161,6 +161,21 @@ def test_a_standby_is_unfit_when_the_next_attempt_s_settings_changed(tmp_path):
     assert "exited" in sb.unfit("restart", same)
 
 
+@pytest.mark.integration
+def test_a_discarded_standby_is_gone_when_discard_returns(tmp_path):
+    """Not still exiting: a run that ends right after must not leave it behind (seen: a JAX
+    standby, SIGKILLed at the run's end beside two busy loops, outlived the supervisor)."""
+    import queue
+
+    journal = Journal(str(tmp_path / "events.jsonl"))
+    sb = Standby(2, WARM, [sys.executable, "-c", "import sys; sys.stdin.readline()"],
+                 dict(os.environ), str(tmp_path), str(tmp_path / "standby.log"), queue.Queue(),
+                 journal).start()
+    sb.discard("the run completed")
+    assert sb.proc.returncode == -9 and not os.path.exists(f"/proc/{sb.proc.pid}")
+    assert journal.events("standby_discarded")[0]["was_alive"] is True
+
+
 PRIORITY_CHILD = """
 import os, threading
 from orchestrator.train import standby

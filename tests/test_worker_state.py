@@ -238,3 +238,37 @@ def test_a_checkpoint_names_the_state_it_cannot_hold(tmp_path):
     assert outside[0].startswith("model.rng (numpy Generator): a random generator outside Keras")
     assert outside[1].startswith(f"{m.name}.steps_taken (a Python number on the model, 0 when "
                                  f"training began, 4 now)")
+
+
+def test_a_sigterm_during_a_skipped_periodic_checkpoint_still_saves_the_step_it_stops_at(
+        tmp_path):
+    """Seen beside two busy loops: the periodic checkpoint of step 30 was skipped (the write of
+    23 still in flight) and the notice came meanwhile; the worker stopped saying step 23, and
+    the 7 steps since were lost. The step it stops at is the one it saves."""
+    from orchestrator.train import callbacks as cbm
+    from orchestrator.checkpoint.store import CheckpointStore
+    from orchestrator.core.heartbeat import Position
+    from orchestrator.core.spec import CheckpointSpec
+    from orchestrator.train.preemption import Preempted, PreemptionNotice
+
+    m, progress, store = _model(), Position(), CheckpointStore(str(tmp_path / "ck"))
+    notice = PreemptionNotice()  # not installed: the test sets the time it was received
+    ckpt_cb = cbm.CheckpointCallback(store, CheckpointSpec(every_epochs=1, every_steps=2, keep=9,
+                                                           background=True),
+                                     progress, steps_per_epoch=8, last_epoch=2, history=[],
+                                     base_manifest={}, states=CallbackStates([]), notice=notice)
+    admit = ckpt_cb.writer.admit
+
+    def admit_then_notice(step, reason):
+        if step == 4 and reason == "periodic":  # skipped busy, and SIGTERM arrives meanwhile
+            notice.received_at = time.time()
+            return None
+        return admit(step, reason)
+
+    ckpt_cb.writer.admit = admit_then_notice
+    training = cbm.OneTraining([cbm.ProgressCallback(progress), ckpt_cb])
+    with pytest.raises(Preempted) as stopped:
+        m.fit(X, Y, batch_size=4, epochs=2, verbose=0, shuffle=False, callbacks=[training])
+    assert stopped.value.step == 4
+    assert [c.step for c in store.list()] == [2, 4]
+    assert store.list()[-1].manifest["batch"] == 4

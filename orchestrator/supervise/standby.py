@@ -77,6 +77,11 @@ def _overrides(env: dict) -> dict:
     return {k: v for k, v in env.items() if k.startswith(ENV_PREFIX)}
 
 
+# How long a discarded standby's exit is waited for after its SIGKILL (it frees its memory
+# first: usually milliseconds, longer on a loaded machine)
+DISCARD_WAIT_S = 10.0
+
+
 class Standby:
     """One standby process, meant to become attempt ``for_attempt``."""
 
@@ -134,12 +139,17 @@ class Standby:
         return self.proc
 
     def discard(self, reason: str) -> None:
-        """Kill its whole process group (nothing in it is worth saving) and journal why."""
+        """Kill its whole process group (nothing in it is worth saving), wait until it is gone
+        (bounded), and journal why. Without the wait a run could end with its standby still
+        exiting: beside two busy loops a JAX standby SIGKILLed at the run's end was still there
+        (not yet a zombie) when the supervisor had exited."""
         if self.proc is None:
             return
         alive = self.alive()
         with contextlib.suppress(ProcessLookupError):  # the whole group is gone already
             os.killpg(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):  # journaled as it is, all the same
+            self.proc.wait(timeout=DISCARD_WAIT_S)
         if self.proc.stdin and not self.proc.stdin.closed:
             with contextlib.suppress(BrokenPipeError):  # its reader is gone: nothing to flush
                 self.proc.stdin.close()

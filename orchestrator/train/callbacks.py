@@ -324,13 +324,14 @@ class CheckpointCallback(keras.callbacks.Callback):
         self.writer.check()  # a failed background write stops training here, not silently
         if self.progress.batch >= self.spe:
             return  # the epoch's last batch: its end commits (after validation and callbacks)
-        if self._preempted() and self._committed_step != self.progress.step:
-            self._commit({k: float(v) for k, v in (logs or {}).items()}, writer.PREEMPTION,
-                         mid_epoch=True)
-        elif self._due():
-            self._commit({k: float(v) for k, v in (logs or {}).items()}, writer.PERIODIC,
-                         mid_epoch=True)
+        metrics = {k: float(v) for k, v in (logs or {}).items()}
+        if not self._preempted() and self._due():
+            self._commit(metrics, writer.PERIODIC, mid_epoch=True)
+        # read again: a SIGTERM may have come during that commit (one skipped busy, under load:
+        # the worker then stopped at the step written before, losing the steps since)
         if self._preempted():
+            if self._committed_step != self.progress.step:
+                self._commit(metrics, writer.PREEMPTION, mid_epoch=True)
             self._stop_for_preemption()
 
     def on_epoch_end(self, epoch, logs=None):
