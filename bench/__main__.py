@@ -99,9 +99,11 @@ FULL = Config("full", reps=1, digits_epochs=10, synth_examples=768, synth_epochs
               goodput_epochs=40, goodput_reps=1, goodput_timeout_s=420.0, kill_every_s=20.0,
               hang_timeout_s=6.0, synth_plain_fit=False, standby_epochs=60, standby_kills=2,
               standby_synth_epochs=16)
+# QUICK's goodput job trains 32 epochs, not 16: on a quiet machine 16 took 10 s and the run
+# ended before the second kill (2026-12-05: each arm one kill, no recovery to compare).
 QUICK = Config("quick", reps=1, digits_epochs=4, synth_examples=384, synth_epochs=3,
                fault_steps=2500, fault_epochs=187, fault_modes=("on",), fault_reps=1,
-               goodput_epochs=16, goodput_reps=1, goodput_timeout_s=240.0, kill_every_s=20.0,
+               goodput_epochs=32, goodput_reps=1, goodput_timeout_s=240.0, kill_every_s=20.0,
                hang_timeout_s=6.0, cache_jobs=("digits",))
 RESTARTS = {"max": 10, "backoff": {"initial": arms.RESTART_DELAY_S, "max": arms.RESTART_DELAY_S}}
 # What each recovery fault dies of, as the supervisor classifies it. The raised error is a
