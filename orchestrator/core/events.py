@@ -82,7 +82,9 @@ class Event:
     #: (``reason``)
     GROUP_PLACED = "group_placed"
     #: a rank of a multi-worker group failed: the others are stopped (supervise/group.py);
-    #: ``lost``: its Ray actor died with it (the exception's first line)
+    #: ``lost``: its Ray actor died with it (the exception's first line); the rank is the first
+    #: to exit non-zero where it ran (``group.first_failed``), ``also_failed`` the ranks that
+    #: failed on their own after it (a collective it broke)
     GROUP_MEMBER_FAILED = "group_member_failed"
     #: a node left the cluster (stopped, drained, or dead by the cluster's health checks) and
     #: took its ranks: ``node`` (its address), ``node_id`` (Ray's), ``ranks``, ``reason``. After

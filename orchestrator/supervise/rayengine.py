@@ -91,7 +91,11 @@ def _host_class(ray):
             return self.files.next(cursor, timeout)
 
         def wait(self, error_record: str, log: str) -> tuple:
+            """(exit status, when it exited here, its error record, the end of its log)."""
+            import time
+
             rc = self.proc.wait()
+            at = time.time()  # the ranks' order of exit: Ray tells the exits in its own
             if self.mirror is not None:  # its last checkpoints durable before the exit is told
                 self.mirror.close()
             record = tail = None
@@ -106,7 +110,7 @@ def _host_class(ray):
                     tail = f.read()
             except OSError:
                 tail = None
-            return rc, record, tail
+            return rc, at, record, tail
 
         def signal(self, sig: int) -> None:
             if self.proc is not None and self.proc.poll() is None:
@@ -262,14 +266,14 @@ class RayEngine:
         def watch():
             relay_until_exit(cursor)
             try:
-                rc, record, tail = self.ray.get(pending)
+                rc, at, record, tail = self.ray.get(pending)
             except self.ray.exceptions.RayError as exc:  # the actor's process or node died
-                rc, record, tail = -signal.SIGKILL, None, None
+                rc, at, record, tail = -signal.SIGKILL, None, None, None
                 m.info["lost"] = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
                 if node_gone(self.ray, node_id):  # attempt.py journals node_lost
                     m.info["node_lost"] = {"node": m.node, "node_id": node_id}
             _keep_remote(m, record, tail)
-            events.put(Exited(m, rc))
+            events.put(Exited(m, rc, at))
 
         threading.Thread(target=watch, name=f"ray-rank-{m.rank}", daemon=True).start()
 
