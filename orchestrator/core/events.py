@@ -91,6 +91,10 @@ class Event:
     #: ``group_member_failed``; the attempt ends as ``killed`` (a preemption's budget) and the
     #: next group waits for capacity within the placement bound (``group_placing``)
     NODE_LOST = "node_lost"
+    #: before a group restarts, the last chief's node (not the supervisor's) made durable what
+    #: it held only on its local disk: ``node``, ``copied`` and ``pending`` (steps), or the
+    #: ``reason`` it could not be asked (supervise/rayengine.py's ``gather_from``)
+    CHECKPOINTS_GATHERED = "checkpoints_gathered"
     #: the worker process exited (kind when it failed)
     ATTEMPT_ENDED = "attempt_ended"
     #: no heartbeat for hang_timeout

@@ -104,5 +104,10 @@ class LocalEngine:
     def kill(self, m: Member, grace: float) -> None:
         kill_group(m.handle, grace)
 
+    @staticmethod
+    def gather(timeout: float) -> None:
+        """Every rank's checkpoints are in this machine's tiers already."""
+        return None
+
     def close(self) -> None:
         """Nothing is held between attempts."""
