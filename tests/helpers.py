@@ -122,6 +122,60 @@ def wait_until(cond, timeout=120, what="condition"):
     raise AssertionError(f"{what} not met within {timeout} s")
 
 
+class TwoNodeEngine:
+    """A group's engine without Ray or processes: rank r "runs" on node 127.0.0.(r + 2), and
+    ``started(m)`` (a subclass's) puts what its ranks do on the attempt's queue; a stop is
+    only counted (``killed``)."""
+
+    name = "ray"
+
+    def __init__(self):
+        self.events, self.members, self.killed = None, [], []
+
+    @staticmethod
+    def placement_timeout():
+        return 120.0
+
+    def open(self, size):
+        return [(f"host-{r}", f"127.0.0.{r + 2}:1234") for r in range(size)]
+
+    def spawn(self, m, cmd, env, cwd, events):
+        m.pid, m.node, self.events = 100 + m.rank, f"127.0.0.{m.rank + 2}", events
+        self.members.append(m)
+        self.started(m)
+
+    def started(self, m):
+        pass
+
+    def kill(self, m, grace):
+        self.killed.append(m.rank)
+
+    def signal(self, m, sig):
+        pass
+
+
+def group_attempt(rd, engine, n: int = 3):
+    """Attempt ``n`` of a 2-worker group placed by ``engine``, over the run directory ``rd``,
+    with the rest of the supervisor faked (a hang clock that never runs out, no standby):
+    ``(attempt, journal)``, the attempt started."""
+    import queue
+    from types import SimpleNamespace
+
+    from orchestrator.core.journal import Journal
+    from orchestrator.supervise.attempt import Attempt
+
+    journal = Journal(rd.journal)
+    hang = SimpleNamespace(start=lambda n, size: None, remaining=lambda: 60.0, stepped=False,
+                           run_dir=rd.control)
+    slot = SimpleNamespace(events=queue.Queue(), hang=hang)
+    standby = SimpleNamespace(promote=lambda n, env: (None, None), exited=lambda *a: None)
+    spec = SimpleNamespace(job_dir=os.path.dirname(rd.root), stop_grace=0.0, workers=2)
+    attempt = Attempt(n, ["worker"], {}, spec=spec, rd=rd, slot=slot, journal=journal,
+                      standby=standby, engine=engine)
+    attempt.start(from_epoch=1)
+    return attempt, journal
+
+
 class FakeClock:
     """A clock (core/clock.Clock's four methods) that moves only when told to: ``sleep`` and
     ``wait`` move it at once, so a 5 s lease or a minute of backoff takes no real time. For

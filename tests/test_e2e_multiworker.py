@@ -35,7 +35,8 @@ them but from loopback.
 
 On JAX (``backend: jax``) the same group is one ``jax.distributed`` program under
 ``keras.distribution.DataParallel``: the 2-process run, one of whose ranks fails, ends with the
-weights of one uninterrupted process with two CPU devices.
+weights of one uninterrupted process with two CPU devices, placed by the local engine and on the
+three-node cluster (the coordinator on rank 0's node address, every connection on loopback).
 """
 import contextlib
 import fcntl
@@ -85,6 +86,18 @@ def _run(job, run_dir, *args, env=None):
     return subprocess.Popen([sys.executable, "-m", "orchestrator", "run", job, "--run-dir",
                              str(run_dir), *args], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=env)
+
+
+@contextlib.contextmanager
+def _stopped_if_failing(p):
+    """A test that fails while the supervisor ``p`` runs stops it (the supervisor we started:
+    it stops its group, on the cluster too) and shows what it said."""
+    try:
+        yield
+    except BaseException:
+        p.terminate()
+        print(p.communicate(timeout=300)[0])
+        raise
 
 
 def _wait(p, cond, what):
@@ -342,7 +355,7 @@ def test_ray_three_nodes_a_hung_rank_0_a_killed_rank_1_a_lost_node_end_bit_ident
     journal = Journal(ctl.journal)
     p = _run(job, run, "--engine", "ray", "--fault", "hang@step=70,rank=0",
              "--fault", "slow-steps@step=60,for=0.2", env=_ray_env(address))
-    try:
+    with _stopped_if_failing(p):
         _wait(p, lambda: next(journal.iter("hang_detected"), None), what="the hang")
         second = _wait(p, lambda: next((e for e in journal.iter("attempt_started")
                                         if e["attempt"] == 2), None), what="attempt 2")
@@ -363,10 +376,6 @@ def test_ray_three_nodes_a_hung_rank_0_a_killed_rank_1_a_lost_node_end_bit_ident
         _wait(p, lambda: next((e for e in journal.iter("group_placing")
                                if e["attempt"] == 4), None), what="attempt 4 placing")
         cluster.start_node(gone)  # ... and comes back: the placement waiting for it goes on
-    except BaseException:
-        p.terminate()  # the supervisor we started: it stops its group on the cluster
-        print(p.communicate(timeout=300)[0])
-        raise
     out, _ = p.communicate(timeout=900)  # a cap only: the supervisor bounds its own waits
     assert p.returncode == 0, out
     assert beat["step"] < 88, beat  # killed in the middle of epoch 2 (44 steps an epoch)
@@ -473,3 +482,46 @@ def test_jax_local_engine_a_rank_s_error_stops_the_group_and_it_ends_bit_identic
                     if e["event"] == "worker_ready"]
     assert len(set(coordinators)) == 2, coordinators
     assert all(c.startswith("127.0.0.1:") for c in coordinators)
+
+
+def test_ray_jax_three_nodes_a_failed_rank_1_ends_bit_identical(shared_dir, reference_jax,
+                                                                 ray_cluster):
+    """JAX on the three-node cluster: the 2 ranks are one ``jax.distributed`` program whose
+    coordination service runs in rank 0 on its node's own address (127.0.0.2 or .3, a port
+    taken free there), every connection on 127.0.0.x. Rank 1 raises a storage error in the
+    middle of epoch 2: it leaves at once, the group is stopped, and the next group (a new
+    coordinator) resumes from the checkpoint made durable on the chief's node and ends as
+    1 process x 2 devices would have, uninterrupted. The journal names each rank's node."""
+    job, run = _job(shared_dir, "backend: jax\nhang_timeout: 20\n"), shared_dir / "run"
+    ctl = live(job, run)
+    p = _run(job, run, "--engine", "ray", "--fault", "raise=storage@step=70,rank=1",
+             env=_ray_env(ray_cluster.address))
+    with _stopped_if_failing(p):
+        _wait(p, lambda: (lambda b: b if b.get("step", 0) > 2 else None)(
+            heartbeat.read(ctl.control) or {}), what="the group training, relayed")
+        connections = _cluster_connections([x.pid for x in ray_cluster.procs] + [p.pid])
+    out, _ = p.communicate(timeout=900)  # a cap only: the supervisor bounds its own waits
+    assert p.returncode == 0, out
+    assert len(connections) > 10 and all(
+        a.startswith("127.0.0.") and b.startswith("127.0.0.") for a, b in connections), \
+        connections
+    events = Journal(str(run / "events.jsonl")).events()
+    assert [e["kind"] for e in events if e["event"] == "attempt_ended"] == ["storage", None]
+    starts = [e for e in events if e["event"] == "attempt_started"]
+    for e in starts:  # a rank on each worker node, none on the head, each named
+        assert sorted(w["node"] for w in e["workers"]) == sorted(NODES), e
+    placed = [e for e in events if e["event"] == "group_placed"]
+    ready = [e for e in events if e["event"] == "worker_ready"]  # rank 0's, relayed
+    assert [e["attempt"] for e in ready] == [1, 2] and len(placed) == 2
+    for start, place, r in zip(starts, placed, ready):  # rank 0's node, its own port
+        coordinator = r["distributed"]["coordinator"]
+        assert coordinator == place["addresses"][0], (coordinator, place)
+        assert coordinator.startswith(start["workers"][0]["node"] + ":"), (coordinator, start)
+    failed = [e for e in events if e["event"] == "group_member_failed"]
+    assert [(e["attempt"], e["rank"], e["node"]) for e in failed] == \
+        [(1, 1, starts[0]["workers"][1]["node"])], failed
+    assert ready[0]["steps_per_epoch"] < ready[1]["resumed_from_step"] < 70, ready[1]
+    assert any(e["event"] == "checkpoint_durable" for e in events)  # from the chief's node
+    assert [e["epoch"] for e in events if e["event"] == "epoch_completed"] == [1, 2]
+    assert next(e for e in events if e["event"] == "run_completed")["weights_sha256"] == \
+        reference_jax

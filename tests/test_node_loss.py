@@ -3,14 +3,10 @@ whether the node of a dead actor is gone (``rayengine.node_gone``), and the atte
 ``node_lost`` with the node and every rank it took, then stops the group as after any rank's
 failure. No Ray here: a fake ``ray.nodes()`` and a fake engine. The real node stopped and
 started again mid-run is the three-node e2e test's (tests/test_e2e_multiworker.py)."""
-import queue
 import signal
-from types import SimpleNamespace
 
-from helpers import FakeClock
-from orchestrator.core.journal import Journal
+from helpers import FakeClock, TwoNodeEngine, group_attempt
 from orchestrator.core.rundir import RunDir
-from orchestrator.supervise.attempt import Attempt
 from orchestrator.supervise.messages import Exited
 from orchestrator.supervise.rayengine import node_gone
 
@@ -37,46 +33,22 @@ def test_a_node_is_gone_when_the_cluster_says_dead_or_no_longer_lists_it():
     assert sum(clock.slept) == 3.0
 
 
-class FakeEngine:
+class NodeLeaves(TwoNodeEngine):
     """Two ranks on two nodes; rank 1's node leaves as soon as the group starts."""
 
-    name = "ray"
-
-    def __init__(self):
-        self.events = None
-
-    @staticmethod
-    def placement_timeout():
-        return 120.0
-
-    def open(self, size):
-        return [(f"host-{r}", f"127.0.0.{r + 2}:1234") for r in range(size)]
-
-    def spawn(self, m, cmd, env, cwd, events):
-        m.pid, m.node, self.events = 100 + m.rank, f"127.0.0.{m.rank + 2}", events
+    def started(self, m):
         if m.rank == 1:
             m.info.update(lost="ActorDiedError: The actor died because its node has died.",
                           node_lost={"node": m.node, "node_id": "node-b"})
-            events.put(Exited(m, -signal.SIGKILL))
+            self.events.put(Exited(m, -signal.SIGKILL))
 
     def kill(self, m, grace):
         self.events.put(Exited(m, -signal.SIGKILL))
 
-    def signal(self, m, sig):
-        pass
-
 
 def test_a_lost_node_is_journaled_with_its_ranks_and_the_group_stops(tmp_path, said):
     rd = RunDir(str(tmp_path / "run")).make()
-    journal = Journal(rd.journal)
-    hang = SimpleNamespace(start=lambda n, size: None, remaining=lambda: 60.0, stepped=False,
-                           run_dir=rd.control)
-    slot = SimpleNamespace(events=queue.Queue(), hang=hang)
-    standby = SimpleNamespace(promote=lambda n, env: (None, None), exited=lambda *a: None)
-    spec = SimpleNamespace(job_dir=str(tmp_path), stop_grace=0.0, workers=2)
-    attempt = Attempt(3, ["worker"], {}, spec=spec, rd=rd, slot=slot, journal=journal,
-                      standby=standby, engine=FakeEngine())
-    attempt.start(from_epoch=1)
+    attempt, journal = group_attempt(rd, NodeLeaves())
     outcome = attempt.wait(on_checkpoint=lambda: None, duties=[])
     assert outcome.exit_code == -signal.SIGKILL
     failed = journal.events("group_member_failed")

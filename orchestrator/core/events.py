@@ -82,13 +82,19 @@ class Event:
     #: (``reason``)
     GROUP_PLACED = "group_placed"
     #: a rank of a multi-worker group failed: the others are stopped (supervise/group.py);
-    #: ``lost``: its Ray actor died with it (the exception's first line)
+    #: ``lost``: its Ray actor died with it (the exception's first line); the rank is the first
+    #: to exit non-zero where it ran (``group.first_failed``), ``also_failed`` the ranks that
+    #: failed on their own after it (a collective it broke)
     GROUP_MEMBER_FAILED = "group_member_failed"
     #: a node left the cluster (stopped, drained, or dead by the cluster's health checks) and
     #: took its ranks: ``node`` (its address), ``node_id`` (Ray's), ``ranks``, ``reason``. After
     #: ``group_member_failed``; the attempt ends as ``killed`` (a preemption's budget) and the
     #: next group waits for capacity within the placement bound (``group_placing``)
     NODE_LOST = "node_lost"
+    #: before a group restarts, the last chief's node (not the supervisor's) made durable what
+    #: it held only on its local disk: ``node``, ``copied`` and ``pending`` (steps), or the
+    #: ``reason`` it could not be asked (supervise/rayengine.py's ``gather_from``)
+    CHECKPOINTS_GATHERED = "checkpoints_gathered"
     #: the worker process exited (kind when it failed)
     ATTEMPT_ENDED = "attempt_ended"
     #: no heartbeat for hang_timeout

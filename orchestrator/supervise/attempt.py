@@ -47,7 +47,7 @@ from orchestrator.core.spec import JobSpec
 from orchestrator.recovery import oom
 from orchestrator.recovery.failures import signal_name
 from orchestrator.supervise.group import (STACK_DUMP_WAIT_S, EngineUnavailable, LocalEngine,
-                                         Member)
+                                         Member, first_failed)
 from orchestrator.supervise.hangs import dump_stacks
 from orchestrator.supervise.messages import Beat, Committed, Exited, Stop, Tick
 from orchestrator.supervise.procs import identity_record
@@ -236,19 +236,25 @@ class Attempt:
         m = self._member(item)
         if m is None:
             return None
-        m.exit_code = rc = item.code
-        if rc != 0 and self.failed is None:
-            self.failed = m
-            self.log, self.error_record = m.log, m.error_record  # the group's failure
-            if self.group:
-                lost = {"lost": m.info["lost"]} if m.info.get("lost") else {}
-                self.journal.append(Event.GROUP_MEMBER_FAILED, attempt=self.n, rank=m.rank,
-                                    exit_code=rc, host=m.host, node=m.node,
-                                    stopping=[x.rank for x in self.members
-                                              if x.exit_code is None], **lost)
-                self._node_lost(m)
+        m.exit_code, m.exited_at = item.code, item.at
+        if m.exit_code != 0 and self.failed is None:
+            running = [x for x in self.members if x.exit_code is None]
+            stopped_at = time.time()
             self.stop(grace=0.0)
-            return self._wait_stopped()
+            self._wait_stopped()
+            self.failed = f = first_failed(m, running, stopped_at)
+            self.log, self.error_record = f.log, f.error_record  # the group's failure
+            if self.group:
+                more = {"lost": f.info["lost"]} if f.info.get("lost") else {}
+                also = [x.rank for x in [m, *running] if x is not f and x.exit_code and (
+                    x is m or x.exited_at is not None and x.exited_at < stopped_at)]
+                if also:  # ranks whose own failure came after f's (a collective it broke)
+                    more["also_failed"] = also
+                self.journal.append(Event.GROUP_MEMBER_FAILED, attempt=self.n, rank=f.rank,
+                                    exit_code=f.exit_code, host=f.host, node=f.node,
+                                    stopping=[x.rank for x in running if x is not f], **more)
+                self._node_lost(f)
+            return f.exit_code
         if all(x.exit_code is not None for x in self.members):
             return next((x.exit_code for x in self.members if x.exit_code), 0)
         return None
@@ -274,7 +280,7 @@ class Attempt:
             item = self.events.get()
             m = self._member(item)
             if m is not None:
-                m.exit_code = item.code
+                m.exit_code, m.exited_at = item.code, item.at
         rcs = [m.exit_code for m in self.members]
         return self.failed.exit_code if self.failed else next((rc for rc in rcs if rc), 0)
 

@@ -37,6 +37,7 @@ class Member:
     pid: int | None = None
     handle: object = None       # a Popen (local) or a Ray actor handle (ray)
     exit_code: int | None = None
+    exited_at: float | None = None  # when, where it ran (messages.Exited.at)
     info: dict = field(default_factory=dict)
     identity: dict | None = None  # taken where it was spawned (core/procid.py), as journaled
     control: str | None = None  # its control folder here (RunDir.for_rank): relayed state
@@ -49,6 +50,22 @@ class Member:
         if self.node:
             d["node"] = self.node
         return dict(d, identity=self.identity) if identity else d
+
+
+def first_failed(heard: Member, running: list[Member], stopped_at: float) -> Member:
+    """The rank whose failure is the group's: of those that exited non-zero on their own, the
+    first to exit where it ran. ``heard`` is the first failure the supervisor heard of;
+    ``running``, the ranks not heard of then, which it stopped at ``stopped_at``. One of those
+    that had exited non-zero before the stop (by its node's clock) failed on its own, and the
+    earlier exit is the cause: a rank that leaves breaks its peers' collectives (JAX's gloo
+    raises in them within milliseconds), and Ray tells the exits of ranks on different nodes in
+    its own order, not theirs. An exit of unknown time (an actor dead with its node) keeps the
+    order heard."""
+    if heard.exited_at is None:
+        return heard
+    before = [x for x in running if x.exit_code and x.exited_at is not None
+              and x.exited_at < stopped_at]
+    return min([heard, *before], key=lambda x: x.exited_at)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -86,6 +103,11 @@ class LocalEngine:
 
     def kill(self, m: Member, grace: float) -> None:
         kill_group(m.handle, grace)
+
+    @staticmethod
+    def gather(timeout: float) -> None:
+        """Every rank's checkpoints are in this machine's tiers already."""
+        return None
 
     def close(self) -> None:
         """Nothing is held between attempts."""

@@ -15,10 +15,14 @@ from dataclasses import dataclass
 @dataclass(frozen=True, eq=False)
 class Exited:
     """A process the supervisor started exited: ``key`` is what it was started as (the
-    attempt's Popen, a group's Member, a standby's Popen), ``code`` its exit status."""
+    attempt's Popen, a group's Member, a standby's Popen), ``code`` its exit status, ``at``
+    when it exited, seen where it ran (None: not known, its Ray actor died with it). The exits
+    of a group reach the queue in the order their engine tells them, which on Ray is not the
+    order the ranks exited in (attempt.py orders a group's failures by ``at``)."""
 
     key: object
     code: int
+    at: float | None = None
 
 
 @dataclass(frozen=True, eq=False)

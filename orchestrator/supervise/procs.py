@@ -11,6 +11,7 @@ import queue
 import signal
 import subprocess
 import threading
+import time
 
 from orchestrator.core.events import Event
 from orchestrator.core.journal import Journal
@@ -49,8 +50,11 @@ def spawn(cmd: list[str], env: dict, cwd: str, log: str,
 
 def watch_exit(proc: subprocess.Popen, events: queue.Queue, key, name: str) -> None:
     """Put ``Exited(key, status)`` on the supervisor's queue the moment ``proc`` exits."""
-    threading.Thread(target=lambda: events.put(Exited(key, proc.wait())), name=name,
-                     daemon=True).start()
+    def wait() -> None:
+        code = proc.wait()
+        events.put(Exited(key, code, time.time()))
+
+    threading.Thread(target=wait, name=name, daemon=True).start()
 
 
 def kill_group(proc: subprocess.Popen, grace: float) -> None:

@@ -91,7 +91,11 @@ def _host_class(ray):
             return self.files.next(cursor, timeout)
 
         def wait(self, error_record: str, log: str) -> tuple:
+            """(exit status, when it exited here, its error record, the end of its log)."""
+            import time
+
             rc = self.proc.wait()
+            at = time.time()  # the ranks' order of exit: Ray tells the exits in its own
             if self.mirror is not None:  # its last checkpoints durable before the exit is told
                 self.mirror.close()
             record = tail = None
@@ -106,7 +110,13 @@ def _host_class(ray):
                     tail = f.read()
             except OSError:
                 tail = None
-            return rc, record, tail
+            return rc, at, record, tail
+
+        def make_durable(self, timeout: float) -> dict | None:
+            """This node's checkpoints not durable yet, copied now (``NodeMirror.again``);
+            None where this rank made no durable copies (not the chief, or on the
+            supervisor's node)."""
+            return None if self.mirror is None else self.mirror.again(timeout)
 
         def signal(self, sig: int) -> None:
             if self.proc is not None and self.proc.poll() is None:
@@ -164,6 +174,31 @@ class NodeMirror:
         self.observer.stop()
         self.mirror.flush(timeout)
         self.mirror.stop()
+
+    def again(self, timeout: float) -> dict:
+        """One more pass of the same copy, after the rank's exit: what the flush at the exit
+        left on this node (the run directory away then, its bound run out) made durable now
+        if it can be, with the same verification. ``copied``: the steps that became durable;
+        ``pending``: those still only here (a copy marked durable once is not counted: with
+        the run directory away, nothing says it went)."""
+        from orchestrator.checkpoint.mirror import DurableMirror
+        from orchestrator.checkpoint.tiers import is_durable
+
+        store = self.mirror.store
+        before = durable_steps(store)
+        mirror = DurableMirror(store, self.mirror.journal, self.mirror.retention).start()
+        try:
+            pending = set(mirror.flush(timeout))
+        finally:
+            mirror.stop()
+        pending -= {c.step for c in store.local.list() if is_durable(c)}
+        return {"copied": sorted(durable_steps(store) - before), "pending": sorted(pending)}
+
+
+def durable_steps(store) -> set[int]:
+    """The steps of ``store``'s durable tier that read back intact."""
+    return {c.step for c in store.durable_list()
+            if store.durable.verify(c.path, cached=True) is None}
 
 
 class RayEngine:
@@ -262,14 +297,14 @@ class RayEngine:
         def watch():
             relay_until_exit(cursor)
             try:
-                rc, record, tail = self.ray.get(pending)
+                rc, at, record, tail = self.ray.get(pending)
             except self.ray.exceptions.RayError as exc:  # the actor's process or node died
-                rc, record, tail = -signal.SIGKILL, None, None
+                rc, at, record, tail = -signal.SIGKILL, None, None, None
                 m.info["lost"] = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
                 if node_gone(self.ray, node_id):  # attempt.py journals node_lost
                     m.info["node_lost"] = {"node": m.node, "node_id": node_id}
             _keep_remote(m, record, tail)
-            events.put(Exited(m, rc))
+            events.put(Exited(m, rc, at))
 
         threading.Thread(target=watch, name=f"ray-rank-{m.rank}", daemon=True).start()
 
@@ -284,6 +319,14 @@ class RayEngine:
         except self.ray.exceptions.RayError as exc:  # its node died: so did its worker
             m.info.setdefault("lost", f"{type(exc).__name__} while stopping it")
             self.ray.kill(m.handle)
+
+    def gather(self, timeout: float) -> dict | None:
+        """Before the next group is placed: the last group's chief, where its node is not
+        this one, makes durable what it holds only there (``gather_from``): a restore reads
+        this node's tiers and the run directory, never another node's disk."""
+        if not self.hosts or self.nodes[0][1] == self.here:
+            return None
+        return gather_from(self.ray, self.hosts[0], self.nodes[0][0], timeout, self.journal)
 
     def close(self) -> None:
         from ray.util.placement_group import remove_placement_group
@@ -318,6 +361,31 @@ def node_gone(ray, node_id: str, wait_s: float = NODE_DEATH_WAIT_S, poll_s: floa
         if clock.monotonic() >= deadline:
             return False
         clock.sleep(poll_s)
+
+
+def gather_from(ray, chief, node: str, timeout: float, journal) -> dict | None:
+    """Ask the actor of a group's chief, alive after its rank's exit until the next placement,
+    to copy its node's checkpoints that are not durable yet (``make_durable``, bounded by
+    ``timeout``), so that the restore that follows finds the newest verified one. Journaled
+    as ``checkpoints_gathered`` when it copied something, left something, or could not be
+    asked (its node gone: what was only there is lost with it); None when there was nothing."""
+    try:
+        got = ray.get(chief.make_durable.remote(timeout), timeout=timeout + 30)
+    except ray.exceptions.RayError as exc:  # its node died, or it did not answer in time
+        got = {"reason": f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"}
+    if not got or not (got.get("copied") or got.get("pending") or got.get("reason")):
+        return None
+    if journal is not None:
+        journal.append(Event.CHECKPOINTS_GATHERED, node=node, **got)
+    if got.get("pending"):
+        log.warning(f"the last chief's node {node} holds checkpoint step(s) {got['pending']} "
+                    f"that it could not copy to the run directory within {timeout:.0f} s: the "
+                    f"group restores from the newest durable one")
+    elif got.get("reason"):
+        log.warning(f"could not ask the last chief's node {node} for checkpoints the run "
+                    f"directory may lack ({got['reason']}): the group restores from the newest "
+                    f"durable one")
+    return got
 
 
 def _keep_remote(m: Member, record: str | None, tail: bytes | None) -> None:

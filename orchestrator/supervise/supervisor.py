@@ -252,7 +252,10 @@ class Supervisor:
 
     def _group_restore_step(self) -> str:
         """The step every rank restores ("": start afresh). With Ray, ranks on other nodes
-        read the run directory: the newest checkpoint is made durable first."""
+        read the run directory: the last chief's node first copies what only it holds there
+        (``engine.gather``), and the newest checkpoint is made durable."""
+        if self.engine.gather(self.spec.checkpoint.flush_timeout):
+            self.ledger.scan()  # what it copied is journaled as committed, and counts
         latest = self.ledger.latest()
         if latest is None:
             return ""
