@@ -16,8 +16,11 @@ checkpoint store and its exact mid-epoch resume.
 from __future__ import annotations
 
 import contextlib
+import logging
 import signal
 import time
+
+log = logging.getLogger(__name__)
 
 
 class Preempted(BaseException):
@@ -30,6 +33,20 @@ class Preempted(BaseException):
         super().__init__(f"preempted (SIGTERM); saved step {step}" if step is not None
                          else "preempted (SIGTERM) outside training; nothing new to save")
         self.step, self.received_at = step, received_at
+
+    def journal(self, path: str, attempt: int, progress) -> None:
+        """``preempted`` in the journal at ``path``, and the line; the run directory may be
+        what is going away (a runtime being recycled): then the line only."""
+        from orchestrator.core.events import Event
+        from orchestrator.core.journal import Journal
+
+        try:
+            Journal(path).append(Event.PREEMPTED, source="worker", attempt=attempt,
+                                 step=self.step, epoch=progress.epoch, batch=progress.batch,
+                                 seconds=round(time.time() - self.received_at, 3))
+        except OSError as exc:
+            log.warning(f"could not journal the preemption: {exc}")
+        log.warning(str(self))
 
 
 class PreemptionNotice:

@@ -348,16 +348,6 @@ def _rank() -> int:
     return group.rank if group else 0
 
 
-def _journal_preempted(rd: RunDir, attempt: int, exc: Preempted, progress) -> None:
-    try:
-        Journal(rd.journal).append(Event.PREEMPTED, source="worker", attempt=attempt,
-                                   step=exc.step, epoch=progress.epoch, batch=progress.batch,
-                                   seconds=round(time.time() - exc.received_at, 3))
-    except OSError as write_exc:  # the run dir may be what is going away
-        log.warning(f"could not journal the preemption: {write_exc}")
-    log.warning(str(exc))
-
-
 def write_error_record(rd: RunDir, attempt: int, exc: BaseException, progress,
                        fatal: bool) -> None:
     record = {
@@ -391,7 +381,7 @@ def guarded(rd: RunDir, attempt: int, progress, body) -> int:
         except (datasets.DataError, state.StateMismatch) as exc:
             raise JobError(str(exc)) from exc
     except Preempted as exc:
-        _journal_preempted(rd, attempt, exc, progress)
+        exc.journal(rd.journal, attempt, progress)
         return EXIT_PREEMPTED
     except JobError as exc:
         write_error_record(rd, attempt, exc, progress, fatal=True)
@@ -422,6 +412,13 @@ def main(argv=None) -> int:
     t_start = time.time()
     logs.configure()  # the [worker] lines of the attempt's log
     notice = PreemptionNotice().install()
+    try:  # from here a SIGTERM raises Preempted until training (a traceback and exit 1 before)
+        return _start(args, notice, t_start)
+    except Preempted:  # before training: nothing new to save
+        return EXIT_PREEMPTED
+
+
+def _start(args, notice: PreemptionNotice, t_start: float) -> int:
     register_stack_dump()
     _watch_parent()
     try:
@@ -429,8 +426,6 @@ def main(argv=None) -> int:
     except SpecError as exc:
         log.warning(str(exc))
         return EXIT_CONFIG
-    except Preempted:
-        return EXIT_PREEMPTED
     rd = RunDir.for_spec(spec).make()
     if args.standby:
         from orchestrator.train import standby
