@@ -261,6 +261,29 @@ def test_a_copy_that_does_not_read_back_is_retried(tiers, tmp_path, monkeypatch)
     assert "does not verify after the copy: state.npz: checksum mismatch" in down[0]["error"]
 
 
+def test_a_local_copy_that_rots_during_its_upload_leaves_no_durable_copy(tiers, tmp_path,
+                                                                         monkeypatch):
+    """The local copy verified, then its bytes changed while they were copied (a fault flipping
+    them; a failing disk): the durable copy read back bad. It was left in the durable tier, and a
+    restore met it and skipped it beside the bad local one (seen in the suite)."""
+    import orchestrator.checkpoint.store as ck
+    m, journal = _mirror(tiers, tmp_path)
+    real = ck.shutil.copyfile
+
+    def rot_then_copy(src, dst):
+        if src.endswith("state.npz"):
+            with open(src, "r+b") as f:
+                f.write(b"#")
+        real(src, dst)
+    monkeypatch.setattr(ck.shutil, "copyfile", rot_then_copy)
+    _commit(tiers, 1)
+    m.start()
+    assert m.flush(30) == []
+    m.stop()
+    assert tiers.durable.list() == []
+    assert [e["step"] for e in _events(journal, "checkpoint_skipped")] == [1]
+
+
 def test_a_corrupt_local_copy_is_never_uploaded_and_a_recommit_is(tiers, tmp_path):
     m, journal = _mirror(tiers, tmp_path)
     _commit(tiers, 1)

@@ -223,6 +223,11 @@ class DurableMirror:
                 raise _SourceGone(f"local copy {c.path} changed during the upload") from None
             raise
         if reason is not None:
+            # never verified, so nothing counts on it: left there, a restore would meet it and
+            # skip it (seen: a local copy that changed during its upload)
+            shutil.rmtree(d.path, ignore_errors=True)
+            if self.store.local.verify(c.path) is not None:
+                raise _SourceGone(f"local copy {c.path} changed during the upload")
             raise OSError(errno.EIO, f"the durable copy does not verify after the copy: {reason}",
                           d.path)
         self._durable_ok[c.step] = d
