@@ -79,6 +79,16 @@ class PreemptionNotice:
         finally:
             self._in_training = False
 
+    @contextlib.contextmanager
+    def deferred(self):
+        """While this holds, a SIGTERM is only noted (the caller reads ``requested`` after):
+        the worker's first moments, before it knows where to journal it."""
+        self._in_training = True
+        try:
+            yield
+        finally:
+            self._in_training = False
+
     def stop(self, step: int | None) -> None:
         """Called at a step boundary once the state is saved."""
         raise Preempted(step, self.received_at)

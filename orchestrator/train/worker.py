@@ -419,14 +419,19 @@ def main(argv=None) -> int:
 
 
 def _start(args, notice: PreemptionNotice, t_start: float) -> int:
-    register_stack_dump()
-    _watch_parent()
-    try:
-        spec = load(args.job, run_dir=args.run_dir, backend=os.environ.get(ENV_BACKEND) or None)
-    except SpecError as exc:
-        log.warning(str(exc))
-        return EXIT_CONFIG
-    rd = RunDir.for_spec(spec).make()
+    with notice.deferred():  # until it knows where its journal is
+        register_stack_dump()
+        _watch_parent()
+        try:
+            spec = load(args.job, run_dir=args.run_dir,
+                        backend=os.environ.get(ENV_BACKEND) or None)
+        except SpecError as exc:
+            log.warning(str(exc))
+            return EXIT_CONFIG
+        rd = RunDir.for_spec(spec).make()
+    if notice.requested:
+        Preempted(None, notice.received_at).journal(rd.journal, args.attempt, Position())
+        return EXIT_PREEMPTED
     if args.standby:
         from orchestrator.train import standby
 
