@@ -29,6 +29,17 @@ def test_of_the_ranks_that_failed_on_their_own_the_first_to_exit_is_the_cause():
     assert first_failed(peer, [_m(1, 1, None)], stopped_at=10.5) is peer
 
 
+def test_the_moment_of_failure_is_the_error_record_s_when_there_is_one(tmp_path):
+    """Beside two busy loops the rank that raised (its record at 10.00) exited after its peer,
+    whose collective it broke (record 10.01, exit 10.02): the records tell the order."""
+    cause_rec, peer_rec = str(tmp_path / "1.r1.error.json"), str(tmp_path / "1.error.json")
+    write_json_atomic(cause_rec, {"time": 10.00, "type": "OSError"})
+    write_json_atomic(peer_rec, {"time": 10.01, "type": "JaxRuntimeError"})
+    peer = Member(0, "h", "log", peer_rec, exit_code=1, exited_at=10.02)
+    cause = Member(1, "h", "log", cause_rec, exit_code=1, exited_at=10.40)  # a slow teardown
+    assert first_failed(peer, [cause], stopped_at=10.5) is cause
+
+
 class LateEngine(TwoNodeEngine):
     """Two ranks: rank 1 raises and exits first, rank 0's collective breaks 20 ms later, and
     the engine tells rank 0's exit first (Ray's order)."""

@@ -14,6 +14,7 @@ import os
 import socket
 from dataclasses import dataclass, field
 
+from orchestrator.core.osutil import read_json
 from orchestrator.supervise.procs import identity_record, kill_group, spawn, watch_exit
 
 
@@ -65,7 +66,16 @@ def first_failed(heard: Member, running: list[Member], stopped_at: float) -> Mem
         return heard
     before = [x for x in running if x.exit_code and x.exited_at is not None
               and x.exited_at < stopped_at]
-    return min([heard, *before], key=lambda x: x.exited_at)
+    return min([heard, *before], key=failed_at)
+
+
+def failed_at(m: Member) -> float:
+    """When a rank's failure happened: its error record's time, written as it raised, else its
+    exit. Beside two busy loops a JAX rank that raised took longer to exit (its record, its
+    teardown) than the peer whose collective it broke: by exits, the peer's error came first."""
+    record = read_json(m.error_record) if m.error_record else None
+    t = record.get("time") if isinstance(record, dict) else None
+    return float(t) if isinstance(t, (int, float)) else m.exited_at
 
 
 def free_port(host: str = "127.0.0.1") -> int:
