@@ -184,7 +184,8 @@ def _zombie(pid):
 
 def test_a_standby_promoted_before_any_checkpoint_trains_as_a_cold_worker_would(tmp_path):
     """Its traced step is undone: promoted with no checkpoint, it starts from the very state a
-    cold worker builds, and one epoch ends with the same weights."""
+    cold worker builds, and one epoch ends with the same weights; and so does one adopted (the
+    line written at once, while it imports)."""
     path = _job(tmp_path, "one-epoch", "on")
     worker = [sys.executable, "-m", "orchestrator.train.worker", path, "--attempt", "1"]
     cold = subprocess.run(worker + ["--run-dir", str(tmp_path / "cold")], cwd=ROOT,
@@ -209,3 +210,10 @@ def test_a_standby_promoted_before_any_checkpoint_trains_as_a_cold_worker_would(
         return next(ln for ln in text.splitlines() if ln.startswith("[worker] done"))
 
     assert done(rest) == done(cold.stdout)
+
+    adopted = subprocess.run(worker + ["--run-dir", str(tmp_path / "adopted"), "--standby",
+                                       "warm"], cwd=ROOT, input='{"attempt": 1}\n',
+                             capture_output=True, text=True, timeout=300)
+    assert adopted.returncode == 0, adopted.stdout + adopted.stderr
+    assert "adopted as attempt 1" in adopted.stdout and "ready" not in adopted.stdout
+    assert done(adopted.stdout) == done(cold.stdout)

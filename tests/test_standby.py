@@ -103,14 +103,20 @@ def test_a_standby_that_fails_to_warm_up_is_replaced_once_then_the_recovery_is_c
 
 
 @pytest.mark.integration
-def test_a_standby_still_warming_up_is_not_promoted_the_recovery_is_cold(fake_job):
+def test_a_standby_still_warming_up_is_adopted_and_trains_without_finishing_its_warm_up(
+        fake_job, tmp_path):
     plan = dict(SLOW, exit_at_epoch={"1": [3, -9]}, standby_warm_s=30)
     rc, out, events = supervise(fake_job(epochs=4, extra="standby: on"), plan, standby=True)
     assert rc == 0, out
     started = _ev(events, "attempt_started")
-    assert started[1]["path"] == "cold"
-    assert "it was still warming up" in started[1]["cold_reason"]
-    assert "it was still warming up" in _ev(events, "standby_discarded")[0]["reason"]
+    assert [e["path"] for e in started] == ["cold", "adopted"]
+    # attempt 2 is the standby's process, promoted before it was ready
+    assert started[1]["pid"] == _pid(tmp_path / "run", "fake-standby-2.pid")
+    promoted = _ev(events, "standby_promoted")
+    assert [(e["attempt"], e["adopted"]) for e in promoted] == [(2, True)]
+    assert not [e for e in _ev(events, "standby_ready") if e["for_attempt"] == 2]
+    assert [e["for_attempt"] for e in _ev(events, "standby_discarded")] == [3]  # the run's end
+    assert [e["epoch"] for e in _ev(events, "epoch_completed")] == [1, 2, 3, 4]
     _all_gone(events)
 
 

@@ -92,10 +92,10 @@ def test_auto_on_two_cores_starts_the_first_standby_after_the_first_kill(fake_jo
     taken as the fake's cold start)."""
     monkeypatch.setattr(standby_policy, "cores", lambda: 2)
     plan = dict(SLOW, epoch_s=1.0, exit_at_epoch={"1": [5, -9], "2": [7, -9]})
-    rc, out, events = supervise(fake_job(epochs=8), plan, standby=True)
+    rc, out, events = supervise(fake_job(epochs=12), plan, standby=True)
     assert rc == 0, out
     decided = [(e["for_attempt"], e["mode"]) for e in events if e["event"] == "standby_decided"]
-    assert decided[0] == (2, None) and (3, "warm") in decided, decided
+    assert decided[0] == (2, None) and (3, "warm") in decided, [e.get("reason") for e in events if e["event"] == "standby_decided"]
     assert "no kill in this run yet" in next(e["reason"] for e in events
                                              if e["event"] == "standby_decided")
     paths = [e["path"] for e in events if e["event"] == "attempt_started"]
@@ -137,3 +137,65 @@ def test_the_gaps_between_kills_are_counted_per_session():
     ]
     ev = Evidence.from_journal(events, is_preemption)
     assert ev.kill_gaps_s == (16.7, 18.1, 30.0) and ev.last_kill_ts == 5030.0
+
+
+def test_none_when_the_run_is_expected_to_end_before_the_next_kill():
+    """bench --quick's goodput run (2026-12-05): the run's only kill came at 16.7 s and it ended
+    before the next; the standby started after that kill was paid for and never used."""
+    ev = Evidence(attempts_ended=1, killed=1, cold_start_s=6.0, warm_up_s=6.0,
+                  kill_gaps_s=(16.7,), last_kill_ts=100.0, epoch=20.0, epoch_ts=106.0,
+                  epochs=32, epochs_per_s=1.25)
+    # at 107 s: 12 epochs at 1.25/s = 9.6 s, less the 1 s since that commit: 8.6 s left; the
+    # next kill is expected in 9.7 s
+    ok, why = worth_it("cpu", 2, ev, now=107.0)
+    assert not ok and "expected to end in 8.6 s (12.0 epochs at 1.25/s)" in why, why
+    assert "before the next kill (in 9.7 s)" in why
+    # a longer run is expected to meet that kill
+    longer = Evidence(1, 1, 6.0, 6.0, kill_gaps_s=(16.7,), last_kill_ts=100.0, epoch=20.0,
+                      epoch_ts=106.0, epochs=40, epochs_per_s=1.25)
+    assert worth_it("cpu", 2, longer, now=107.0)[0]
+    # where its pace is not known yet, the rule does not apply
+    unknown = Evidence(1, 1, 6.0, 6.0, kill_gaps_s=(16.7,), last_kill_ts=100.0, epoch=20.0,
+                       epoch_ts=106.0, epochs=32)
+    assert worth_it("cpu", 2, unknown, now=107.0)[0]
+
+
+def test_where_training_stands_and_its_pace_come_from_the_journal():
+    events = [
+        {"event": "worker_ready", "attempt": 1, "steps_per_epoch": 10, "ts": 0.0},
+        {"event": "checkpoint_committed", "attempt": 1, "epoch": 1, "batch": 0, "ts": 10.0},
+        {"event": "checkpoint_committed", "attempt": 1, "epoch": 3, "batch": 0, "ts": 14.0},
+        {"event": "attempt_ended", "attempt": 1, "kind": "killed", "ts": 15.0},  # 0.5/s
+        {"event": "checkpoint_committed", "attempt": 2, "epoch": 3, "batch": 5, "ts": 30.0},
+        {"event": "checkpoint_committed", "attempt": 2, "epoch": 4, "ts": 31.0},  # 0.5/s
+        {"event": "checkpoint_committed", "attempt": 3, "epoch": 5, "batch": 2, "ts": 40.0},
+    ]
+    ev = Evidence.from_journal(events, is_preemption, epochs=8)
+    assert (ev.epoch, ev.epoch_ts, ev.epochs, ev.epochs_per_s) == (5.2, 40.0, 8, 0.5)
+    assert ev.training_left_s(now=41.0) == pytest.approx(2.8 / 0.5 - 1.0)
+    assert Evidence.from_journal(events, is_preemption).training_left_s(41.0) is None
+
+
+def test_a_standby_adopted_still_warming_up_bounds_the_warm_up_as_a_discarded_one_does():
+    events = [
+        {"event": "standby_started", "pid": 7, "ts": 10.0},
+        {"event": "standby_promoted", "attempt": 2, "pid": 7, "adopted": True, "age_s": 3.5},
+        {"event": "standby_started", "pid": 8, "ts": 30.0},
+        {"event": "standby_promoted", "attempt": 3, "pid": 8, "adopted": False, "age_s": 12.0},
+    ]
+    assert Evidence.from_journal(events, is_preemption).unready_s == (3.5,)
+
+
+@pytest.mark.integration
+def test_auto_starts_none_after_a_kill_when_the_run_ends_before_the_next(fake_job, monkeypatch):
+    """The first kill after 4 s of training; 3 epochs of 1 s are left, the next kill is
+    expected ~5 s later: no standby is worth it (the fake journals its commits and steps per
+    epoch as the worker does)."""
+    monkeypatch.setattr(standby_policy, "cores", lambda: 2)
+    plan = dict(SLOW, epoch_s=1.0, exit_at_epoch={"1": [5, -9]})
+    rc, out, events = supervise(fake_job(epochs=8), plan, standby=True)
+    assert rc == 0, out
+    decided = [e for e in events if e["event"] == "standby_decided"]
+    assert [(e["for_attempt"], e["mode"]) for e in decided] == [(2, None), (3, None)], decided
+    assert "before the next kill" in decided[1]["reason"], decided[1]["reason"]
+    assert not [e for e in events if e["event"] == "standby_started"]

@@ -12,6 +12,7 @@ class StandbyMode:
     OFF = "off"                  # the job's setting: never a standby
     IMPORT_ONLY = "import_only"  # imported the framework only (a TPU the active worker holds)
     WARM = "warm"                # imported, built, compiled, traced
+    ADOPTED = "adopted"          # a recovery's path: a standby promoted while warming up
 
     #: what a job's ``standby:`` may say
     SETTINGS = (AUTO, ON, OFF, IMPORT_ONLY)

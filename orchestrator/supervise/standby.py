@@ -13,8 +13,11 @@ What keeps it from doing harm, decided here: it starts only once the active work
 (it must not steal its start-up); a recovery that needs a fresh process (a reinstalled or
 reinitialised TensorFlow, another batch size or strategy: any change to the worker's
 environment) discards it; one that died or failed to warm up is journaled and the recovery is
-cold, and so is one still warming up (had it failed its warm-up once promoted, the attempt
-would have failed with it). Supervisor side: never imports TensorFlow.
+cold. One still warming up is *adopted*: promoted all the same, it finishes its start-up at
+full priority as the attempt (path ``adopted``), which is never slower than a cold start (the
+same code, part of it done). It used to be discarded, and the recovery went cold: a kill 1-2 s
+into an attempt then cost a cold start beside a standby's half-done warm-up. Supervisor side:
+never imports TensorFlow.
 """
 from __future__ import annotations
 
@@ -41,6 +44,8 @@ from orchestrator.supervise.procs import identity_record, spawn, watch_exit
 
 ON = StandbyMode.ON            # the job's setting: a standby wherever the device allows one
 WARM, IMPORT_ONLY = StandbyMode.WARM, StandbyMode.IMPORT_ONLY
+# attempt_started's path for a standby promoted before it was ready
+ADOPTED = StandbyMode.ADOPTED
 
 
 def mode_for(setting: str, strategy: str, accelerator: str | None,
@@ -189,7 +194,7 @@ class StandbyKeeper:
             return mode, f"standby: on ({why})"
         if setting == "auto" and mode == WARM:
             evidence = standby_policy.Evidence.from_journal(self.journal.events(),
-                                                           is_preemption)
+                                                           is_preemption, self.spec.epochs)
             ok, figures = standby_policy.worth_it(strategy, self.cores(), evidence,
                                                   now=time.time())
             return (WARM if ok else None), f"auto: {figures}"
@@ -245,19 +250,19 @@ class StandbyKeeper:
             return None, {"path": "cold", "cold_reason": why if mode is None else (
                 "no standby was up" if n > 1 else "the first attempt")}
         reason = sb.unfit(Action.RESTART, env)
-        if reason is None and not sb.ready():
-            # not promoted: one that then failed its warm-up would fail the attempt, and
-            # the recovery must not depend on it
-            reason = f"it was still warming up ({time.time() - sb.t0:.1f} s)"
         if reason is None:
+            # one still warming up is adopted (train/standby.py's Promotion): it gets its
+            # priority back and finishes its start-up as the attempt, from where it is
+            ready = sb.ready()
             try:
                 proc = sb.promote(n, self.rd.attempt_log(n))
             except OSError as exc:  # it died between the check and the line
                 reason = f"its pipe failed ({exc})"
             else:
+                age = round(time.time() - sb.t0, 3)
                 self.journal.append(Event.STANDBY_PROMOTED, attempt=n, pid=proc.pid,
-                                    mode=sb.mode)
-                return proc, {"path": sb.mode, "standby_age_s": round(time.time() - sb.t0, 3)}
+                                    mode=sb.mode, adopted=not ready, age_s=age)
+                return proc, {"path": sb.mode if ready else ADOPTED, "standby_age_s": age}
         sb.discard(reason)
         return None, {"path": "cold", "cold_reason": f"the standby was unfit: {reason}"}
 

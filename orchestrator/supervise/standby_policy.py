@@ -23,9 +23,14 @@ worker is then killed. So ``standby: auto`` decides per attempt, from the run's 
   --quick, goodput, ResNet-20 on 2 cores, kills every ~20 s, C ~12 s), every standby was
   discarded still warming up and the run's goodput fell to 0.244 against 0.308 with none. After a
   warm start (C < 1 s) it has nearly all of G;
-- and none once two standbys in a row were discarded still warming up (the kills come before a
-  standby is ready: its warm-up only slows the worker), until killed attempts train longer
-  after their first step than the oldest of them had warmed up.
+- and none when the run is expected to end before that next kill: its training left (the
+  epochs left at the pace of its committed checkpoints) is at most G - T;
+- and none once two standbys in a row were discarded or adopted still warming up (the kills
+  come before a standby is ready: its warm-up mostly slows the worker), until killed attempts
+  train longer after their first step than the oldest of them had warmed up.
+
+A standby the next attempt finds still warming up is adopted, not discarded
+(supervise/standby.py): no recovery is slower than a cold start for having had one.
 
 ``standby: on`` always starts one (where the device allows), ``off`` never; the decision and
 its figures are journaled whenever it changes (``standby_decided``).
@@ -69,14 +74,35 @@ class Evidence:
     # the gaps between kills in this session (the first from its start), and the last kill's time
     kill_gaps_s: tuple = ()
     last_kill_ts: float | None = None
+    # where training stands: the newest commit's epoch (with its batches as a fraction of one)
+    # and time, the epochs the job trains and its pace (epochs/s between commits)
+    epoch: float | None = None
+    epoch_ts: float | None = None
+    epochs: int | None = None
+    epochs_per_s: float | None = None
+
+    def training_left_s(self, now: float) -> float | None:
+        """Seconds of training left at ``now`` at the run's pace; None when not known."""
+        if None in (self.epoch, self.epoch_ts, self.epochs) or not self.epochs_per_s:
+            return None
+        return max(0.0, (self.epochs - self.epoch) / self.epochs_per_s - (now - self.epoch_ts))
 
     @classmethod
-    def from_journal(cls, events, is_kill) -> "Evidence":
+    def from_journal(cls, events, is_kill, epochs: int | None = None) -> "Evidence":
+        """``epochs``: the job's."""
         started, cold, warm_up, ended, killed = {}, [], None, 0, 0
         standby_t0, first, unready, trained = {}, {}, [], []
         since, gaps, last_kill = None, [], None  # since: the session's start, then each kill
+        commits: dict = {}  # attempt -> [(ts, step)] of its committed checkpoints
+        spe = None
         for e in events:
             name = e.get("event")
+            if name == Event.CHECKPOINT_COMMITTED and e.get("epoch") is not None \
+                    and e.get("ts") is not None:
+                at = float(e["epoch"]) + (min(e.get("batch") or 0, spe) / spe if spe else 0.0)
+                commits.setdefault(e.get("attempt"), []).append((e["ts"], at))
+            elif name == Event.WORKER_READY and e.get("steps_per_epoch"):
+                spe = int(e["steps_per_epoch"])
             if name in (Event.RUN_STARTED, Event.RUN_RESUMED):
                 since = e.get("ts")
             elif name == Event.ATTEMPT_STARTED:
@@ -103,8 +129,15 @@ class Evidence:
                 unready = []
             elif name == Event.STANDBY_DISCARDED and e.get("was_alive") and not _was_ready(e):
                 unready.append(float(e.get("age_s") or 0.0))
+            elif name == Event.STANDBY_PROMOTED and e.get("adopted"):
+                unready.append(float(e.get("age_s") or 0.0))  # adopted before it was ready
+        newest = max((c for cs in commits.values() for c in cs), default=None)
+        paces = [(cs[-1][1] - cs[0][1]) / (cs[-1][0] - cs[0][0]) for cs in commits.values()
+                 if len(cs) >= 2 and cs[-1][0] > cs[0][0] and cs[-1][1] > cs[0][1]]
         return cls(ended, killed, statistics.median(cold) if cold else None, warm_up,
-                   tuple(unready), tuple(trained), tuple(gaps), last_kill)
+                   tuple(unready), tuple(trained), tuple(gaps), last_kill,
+                   epoch=newest[1] if newest else None, epoch_ts=newest[0] if newest else None,
+                   epochs=epochs, epochs_per_s=statistics.median(paces) if paces else None)
 
 
 def _was_ready(discarded: dict) -> bool:
@@ -152,11 +185,19 @@ def worth_it(strategy: str, n_cores: int, ev: Evidence,
         gap = statistics.median(ev.kill_gaps_s[-3:])
         left = gap - (now - ev.last_kill_ts)
         ready_in = max((warm_up, *ev.unready_s))
+        every = (f"kills come every {gap:.1f} s (median of the last "
+                 f"{min(len(ev.kill_gaps_s), 3)}), the last {now - ev.last_kill_ts:.1f} s ago")
         if left <= ready_in:
-            return False, (f"kills come every {gap:.1f} s (median of the last "
-                           f"{min(len(ev.kill_gaps_s), 3)}), the last {now - ev.last_kill_ts:.1f}"
-                           f" s ago: the next is expected in {left:.1f} s, before a standby "
+            return False, (f"{every}: the next is expected in {left:.1f} s, before a standby "
                            f"would be ready ({ready_in:.1f} s warm-up)")
+        training_left = ev.training_left_s(now)
+        if training_left is not None and training_left <= left:
+            # measured (bench --quick, goodput, 2026-12-05): the one started after the run's
+            # only kill was never used (the run ended first), and it cost auto 0.538 goodput
+            # against 0.572 with none
+            return False, (f"{every}: the run is expected to end in {training_left:.1f} s "
+                           f"({ev.epochs - ev.epoch:.1f} epochs at {ev.epochs_per_s:.2f}/s), "
+                           f"before the next kill (in {left:.1f} s)")
     share = ev.killed / max(ev.attempts_ended, 1)
     cold = ev.cold_start_s or DEFAULT_COLD_START_S
     gain = share * cold

@@ -32,6 +32,7 @@ import logging
 import os
 import random
 import sys
+import threading
 import time
 import traceback
 
@@ -147,34 +148,80 @@ def wait_for_promotion(stream) -> dict | None:
     return order
 
 
+class Promotion:
+    """The promotion line, read on a thread of its own from the start of the warm-up, so that a
+    standby can be *adopted* before it is ready: the supervisor promotes one still warming up
+    when the worker dies (a kill 1-2 s after an attempt's first step finds it importing), and
+    it gets its priority back at once (from this thread, every thread of the process) and
+    finishes its start-up as the attempt, skipping what only a waiting standby needs (the
+    traced step, which ``fit`` then does). It is never slower than a cold start: the same code
+    from the same point, with the part already done behind it."""
+
+    def __init__(self, stream, nice_before: int):
+        self.stream, self.nice_before = stream, nice_before
+        self.arrived = threading.Event()
+        self.order: dict | None = None
+        self.error: BaseException | None = None
+        self.priority_why_not: str | None = None
+        self.arrived_at: float | None = None
+        threading.Thread(target=self._read, name="promotion", daemon=True).start()
+
+    def _read(self) -> None:
+        try:
+            self.order = wait_for_promotion(self.stream)
+        except Exception as exc:  # noqa: BLE001 - raised in the main thread by wait()
+            self.error = exc
+        if self.order is not None:
+            self.arrived_at = time.time()
+            self.priority_why_not = restore_priority(self.nice_before)
+        self.arrived.set()
+
+    def adopted(self) -> bool:
+        """The line came while warming up (checked between the warm-up's stages)."""
+        return self.arrived.is_set() and self.order is not None
+
+    def closed(self) -> bool:
+        """The pipe closed while warming up: discarded, or the supervisor is gone."""
+        return self.arrived.is_set() and self.order is None and self.error is None
+
+    def wait(self) -> dict | None:
+        self.arrived.wait()
+        if self.error is not None:
+            raise self.error
+        return self.order
+
+
 def serve(spec, rd, attempt: int, mode: str, notice, t0: float, steps) -> int:
     """Warm up at low priority, journal ``standby_ready``, wait for the promotion line on
-    stdin, then become ``attempt`` (the number the promotion line gives). ``steps``: the
-    worker's ``configure``, ``prepare``, ``run`` and ``guarded``, passed in by train/worker.py,
-    which imports this module: importing them back made a cycle, and under ``python -m`` a
-    second copy of the worker module."""
+    stdin, then become ``attempt`` (the number the promotion line gives). A line that comes
+    during the warm-up adopts it (``Promotion``). ``steps``: the worker's ``configure``,
+    ``prepare``, ``run`` and ``guarded``, passed in by train/worker.py, which imports this
+    module: importing them back made a cycle, and under ``python -m`` a second copy of the
+    worker module."""
     from orchestrator.core.events import Event
     from orchestrator.core.heartbeat import Position, resident_bytes
     from orchestrator.core.journal import Journal
-    from orchestrator.train import jobcode
     from orchestrator.train.preemption import Preempted
     configure, guarded, prepare, run = steps.configure, steps.guarded, steps.prepare, steps.run
 
     nice = lower_priority()
-    prep = None
+    promotion = Promotion(sys.stdin, nice)
+    prep, ready_at = None, None
     try:
         marks = configure(spec, t0)
-        if mode == StandbyMode.WARM:
+        if mode == StandbyMode.WARM and not promotion.adopted() and not promotion.closed():
             prep = prepare(spec, t0, marks)
-            trace(prep)
-            prep.backend.after_compile()
-            marks["traced"] = round(time.time() - t0, 3)
-        ready_at = time.time()
-        Journal(rd.journal).append(Event.STANDBY_READY, source="worker", for_attempt=attempt,
-                                   pid=os.getpid(), mode=mode, phases_s=marks,
-                                   rss=resident_bytes())
-        log.info(f"ready ({mode}) after {ready_at - t0:.1f} s; waiting")
-        order = wait_for_promotion(sys.stdin)
+            if not promotion.adopted() and not promotion.closed():
+                trace(prep)
+                prep.backend.after_compile()
+                marks["traced"] = round(time.time() - t0, 3)
+        if not promotion.adopted() and not promotion.closed():
+            ready_at = time.time()
+            Journal(rd.journal).append(Event.STANDBY_READY, source="worker",
+                                       for_attempt=attempt, pid=os.getpid(), mode=mode,
+                                       phases_s=marks, rss=resident_bytes())
+            log.info(f"ready ({mode}) after {ready_at - t0:.1f} s; waiting")
+        order = promotion.wait()
     except Preempted:
         return EXIT_PREEMPTED
     except Exception:  # noqa: BLE001 - a standby that cannot warm up is skipped, not fatal
@@ -184,14 +231,20 @@ def serve(spec, rd, attempt: int, mode: str, notice, t0: float, steps) -> int:
     if order is None:
         log.info("discarded")
         return 0
-    t_start = time.time()
+    t_start = promotion.arrived_at or time.time()
     n = order["attempt"]
-    why_not = restore_priority(nice)
-    info = {"mode": mode, "waited_s": round(t_start - ready_at, 3),
-            "warm_up_s": round(ready_at - t0, 3), "priority_restored": why_not is None}
+    if ready_at is None:  # adopted: threads its warm-up started since the line came, too
+        promotion.priority_why_not = restore_priority(nice)
+    why_not = promotion.priority_why_not
+    info = {"mode": mode, "priority_restored": why_not is None}
+    if ready_at is None:
+        info.update(adopted=True, warmed_s=round(t_start - t0, 3),
+                    done=sorted(k for k in marks if k != "traced"))
+    else:
+        info.update(waited_s=round(t_start - ready_at, 3), warm_up_s=round(ready_at - t0, 3))
     if why_not:
         log.info(f"priority {why_not}")
-    log.info(f"promoted to attempt {n}")
+    log.info(f"{'adopted' if ready_at is None else 'promoted'} as attempt {n}")
     progress = Position()
 
     def body():

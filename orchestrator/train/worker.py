@@ -233,7 +233,8 @@ def run(prep: Prepared, rd: RunDir, attempt: int, progress, t_start: float, mark
                    resumed_from_step=at.step, deterministic=spec.deterministic,
                    restored_state_sha256=restored,
                    startup_s=round(time.time() - t_start, 3), started_at=round(t_start, 3),
-                   phases_s=marks, warm=bool(standby and standby["mode"] == StandbyMode.WARM),
+                   phases_s=marks, warm=bool(standby and standby["mode"] == StandbyMode.WARM
+                                             and not standby.get("adopted")),
                    **({"standby": standby} if standby else {}))
 
     def not_exact(reasons):

@@ -112,21 +112,26 @@ def main():
 
 
 def _stand_by(a, plan) -> int:
-    """Warm up, journal standby_ready, wait for the promotion line; the attempt it names."""
-    from orchestrator.train.standby import wait_for_promotion
+    """Warm up, journal standby_ready, wait for the promotion line; the attempt it names. A
+    line during the warm-up adopts it (the real Promotion): it trains at once, never ready."""
+    from orchestrator.train.standby import Promotion
 
     spec = load(a.job, run_dir=a.run_dir)
     rd = RunDir.for_spec(spec)
     write_atomic(os.path.join(rd.root, f"fake-standby-{a.attempt}.pid"),
                  str(os.getpid()).encode())
-    time.sleep(plan.get("standby_warm_s", 0.05))
-    code = plan.get("standby_exit", {}).get(str(a.attempt))
-    if code is not None:
-        print(f"[fake standby] failed to warm up (planned exit {code})", flush=True)
-        sys.exit(code)
-    Journal(rd.journal).append("standby_ready", source="worker", for_attempt=a.attempt,
-                               pid=os.getpid(), mode=a.standby)
-    order = wait_for_promotion(sys.stdin)
+    promotion = Promotion(sys.stdin, os.getpriority(os.PRIO_PROCESS, 0))
+    promotion.arrived.wait(plan.get("standby_warm_s", 0.05))
+    if promotion.closed():
+        sys.exit(0)
+    if not promotion.adopted():
+        code = plan.get("standby_exit", {}).get(str(a.attempt))
+        if code is not None:
+            print(f"[fake standby] failed to warm up (planned exit {code})", flush=True)
+            sys.exit(code)
+        Journal(rd.journal).append("standby_ready", source="worker", for_attempt=a.attempt,
+                                   pid=os.getpid(), mode=a.standby)
+    order = promotion.wait()
     if order is None:
         sys.exit(0)
     return order["attempt"]
