@@ -662,3 +662,24 @@ def test_goodput_counts_adopted_recoveries_apart():
     assert (a["warm"], a["adopted"], a["cold"]) == (2, 1, 1)
     md = "\n".join(targets.goodput_markdown({"goodput": g}, 1, 120.0, "job"))
     assert "every 120 s" in md and "| 2 / 1 / 1 |" in md
+
+
+def test_issue_27_s_parts_and_jobs_per_mode(tmp_path):
+    from bench import __main__ as bench_main
+
+    full = bench_main.prepare_jobs(bench_main.FULL, str(tmp_path / "full"))
+    kills = report.read_job(full["kills_auto"])
+    assert kills["standby"] == "auto" and kills["epochs"] == bench_main.FULL.kills_epochs
+    assert kills["data"]["args"]["synthetic"] and report.read_job(full["kills_off"])[
+        "standby"] == "off"
+    assert report.read_job(full["goodput_long_off"])["epochs"] == 170
+    assert {report.read_job(full[f"tiers_{m}"])["standby"] for m in
+            ("import_only", "on", "off")} == {"import_only", "on", "off"}
+    arms.KillPlan(triggers=bench_main.KILL_TRIGGERS + (bench_main.FULL.tiers_trigger,))
+    # ~2 kills at ~120 s within the run's timeout
+    assert len(arms.kill_schedule(bench_main.FULL.seed, 120.0,
+                                  until_s=bench_main.FULL.goodput_long_timeout_s)) >= 2
+    quick = bench_main.prepare_jobs(bench_main.QUICK, str(tmp_path / "quick"))
+    assert "kills_auto" in quick and "goodput_long_auto" not in quick \
+        and "tiers_on" not in quick
+    assert {"kills", "goodput_2min", "tiers"} <= set(bench_main.DEFAULT_PARTS)
