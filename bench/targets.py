@@ -163,7 +163,9 @@ def target_rows(s: dict, limits: Limits = TENSORFLOW) -> list[dict]:
         if not x or x["ratio"] is None:
             rows.append(_row(what, target, "not measured", None))
             return
-        cold = "" if x["all_warm"] else f"; **cold path in {x['paths'].count('cold')}**"
+        not_warm = {p: x["paths"].count(p) for p in dict.fromkeys(x["paths"]) if p != "warm"}
+        cold = "" if x["all_warm"] else "; **" + ", ".join(  # cold, adopted, ... each counted
+            f"{p or 'no'} path in {n}" for p, n in not_warm.items()) + "**"
         lo, hi = x["ratio_spread"]
         rng = f" ({lo:.3f}-{hi:.3f}x, n={x['n']})" if x["n"] > 1 else ""
         rows.append(_row(what, target, f"{fmt_ratio(x['ratio'])}{rng} {note}"
