@@ -129,16 +129,17 @@ class Config:
 # compare them with 80-epoch runs only through that column.
 # Issue 27's parts add to FULL (estimated, not yet timed; 2 cores, ResNet-20 epochs of 1.1-1.4 s
 # at 768 images): kills ~3.5 min (2 runs of ~100 s: a cold start, ~40 epochs, three
-# recoveries); goodput_2min ~9 min (2 runs of ~4-4.5 min: 170 epochs put the run's end past the
-# seeded schedule's second kill, at 209 s (the first at 100 s), even at 1.1 s an epoch);
+# recoveries); goodput_2min ~9.5 min (2 runs of ~4-5 min: 190 epochs put the run's end past
+# the seeded schedule's second kill, at 209 s (the first at 100 s), even at 1.1 s an epoch:
+# 6-12 s of cold start + 209 s of training + a recovery; 170 would end at ~205 s);
 # tiers ~2 min (3 digits runs of ~35 s, timed: digits trains ~0.22 s an epoch here, 2026-12-06,
-# so 150 epochs put the end well past a warm-up of 7-12 s and the 5 s after it). About 14-15
+# so 150 epochs put the end well past a warm-up of 7-12 s and the 5 s after it). About 15
 # minutes in all.
 FULL = Config("full", reps=1, digits_epochs=10, synth_examples=768, synth_epochs=6,
               fault_steps=2500, fault_epochs=187, fault_modes=("on",), fault_reps=1,
               goodput_epochs=40, goodput_reps=1, goodput_timeout_s=420.0, kill_every_s=20.0,
               hang_timeout_s=6.0, synth_plain_fit=False, standby_epochs=60, standby_kills=2,
-              standby_synth_epochs=16, kills_epochs=40, goodput_long_epochs=170,
+              standby_synth_epochs=16, kills_epochs=40, goodput_long_epochs=190,
               tiers_epochs=150)
 # QUICK's goodput job trains 32 epochs, not 16: on a quiet machine 16 took 10 s and the run
 # ended before the second kill (2026-12-05: each arm one kill, no recovery to compare).

@@ -673,7 +673,7 @@ def test_issue_27_s_parts_and_jobs_per_mode(tmp_path):
     assert kills["standby"] == "auto" and kills["epochs"] == bench_main.FULL.kills_epochs
     assert kills["data"]["args"]["synthetic"] and report.read_job(full["kills_off"])[
         "standby"] == "off"
-    assert report.read_job(full["goodput_long_off"])["epochs"] == 170
+    assert report.read_job(full["goodput_long_off"])["epochs"] == 190
     assert {report.read_job(full[f"tiers_{m}"])["standby"] for m in
             ("import_only", "on", "off")} == {"import_only", "on", "off"}
     arms.KillPlan(triggers=bench_main.KILL_TRIGGERS + (bench_main.FULL.tiers_trigger,))
