@@ -158,6 +158,11 @@ def summarise(results: dict, limits: targets.Limits = targets.TENSORFLOW) -> dic
                  else arm.replace("_", " "))
         samples[f"synthetic/kill, {label}"] = [
             x for r in runs for x in r["recoveries"] if x.get("kind", "killed") == "killed"]
+    for mode, r in ((results.get("kills") or {}).get("runs") or {}).items():  # issue 27
+        for x in r.get("recoveries") or []:
+            if x.get("trigger"):
+                samples.setdefault(f"synthetic/kill at {x['trigger']}, standby {mode}",
+                                   []).append(x)
     for label, xs in samples.items():
         if xs:
             s["recovery"][label] = dict(breakdown.median_phases(xs), n=len(xs))

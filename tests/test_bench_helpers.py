@@ -708,3 +708,4 @@ def test_issue_27_s_sections_in_the_generated_markdown():
     assert "**goodput ~2 min, orchestrator, standby: off** (recovery paths: warm)" in md
     assert "#### Warm-up tiers, one against another" in md and "| on | warm | 6.00 |" in md
     assert "no kill recovery slower than 1.0x" in md
+    assert "| synthetic/kill at first_step+1.5, standby off (n=1) |" in md  # broken down
