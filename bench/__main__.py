@@ -34,11 +34,26 @@ SYNC_ARM, SYNC_JOBS = "orchestrator_sync", ("synthetic",)
 # The orchestrator with ``standby: off`` beside the default (auto): what checkpointing alone
 # costs, apart from the standby's warm-up on the cores the worker trains on.
 NOSTANDBY_ARM = "orchestrator_standby_off"
-PARTS = ("overhead", "goodput", "recovery", "cache", "standby")
+PARTS = ("overhead", "goodput", "recovery", "cache", "standby", "kills", "goodput_2min",
+         "tiers")
 # The standby section (kill -> first step, standby auto vs off) runs only when asked for: the
 # goodput and recovery sections now measure the same recoveries, side by side, on both jobs.
-# The compile cache's (JAX only) runs when JAX is measured.
-DEFAULT_PARTS = ("overhead", "goodput", "recovery", "cache")
+# The compile cache's (JAX only) runs when JAX is measured. Issue 27's parts (TensorFlow only):
+# kills (recovery by kind of kill, standby auto vs off), goodput_2min (a SIGKILL every ~2 min)
+# and tiers (the standby's warm-up tiers); a part whose config says 0 epochs is left out of that
+# mode (QUICK: goodput_2min and tiers).
+DEFAULT_PARTS = ("overhead", "goodput", "recovery", "cache", "kills", "goodput_2min", "tiers")
+# Issue 27's three kinds of kill, one per attempt, in order (KillPlan.triggers):
+# (a) once the first attempt has a checkpoint, 20 s on: under auto no standby is behind a run's
+#     first attempt (by policy), and it starts one for attempt 3 only if the next kill is not
+#     expected before it would be ready (standby_policy: the gap between kills must exceed a
+#     cold start and a warm-up, ~12 s here); a kill right at the first checkpoint (a gap of one
+#     cold start) would have auto start none, and kill (b) would measure nothing of the standby;
+# (b) 1.5 s after the next attempt's first step: its standby (auto) has just started and is
+#     still warming up (adopted or discarded);
+# (c) once the standby for the next attempt is ready (standby: off, or auto deciding none: at
+#     the attempt's first checkpoint, said as a fallback).
+KILL_TRIGGERS = ("checkpoint+20", "first_step+1.5", "standby_ready")
 BACKENDS = (core_backends.TENSORFLOW, core_backends.JAX)
 
 
@@ -78,6 +93,24 @@ class Config:
     jax_goodput_arms: tuple = ("standby_auto", "standby_off")
     cache_jobs: tuple = ("digits", "synthetic")  # the compile cache, empty vs warm (JAX)
     cache_reps: int = 1
+    # Issue 27. kills: ResNet-20 (synthetic, synth_examples) killed once per trigger, one run
+    # per standby setting side by side (0 epochs: not in this mode). Long enough that the
+    # last kill comes before the end: ~31 s of training before it (20 + 1.5 s, a warm-up of
+    # ~12 s at ~1.8x slower) and a tail.
+    kills_epochs: int = 0
+    kills_triggers: tuple = KILL_TRIGGERS
+    kills_modes: tuple = ("auto", "off")
+    # goodput_2min: the goodput job under a SIGKILL every ~2 min (TensorFlow, the orchestrator
+    # arms only: the shell loop's figure is the ~20 s table's)
+    goodput_long_epochs: int = 0
+    goodput_long_every_s: float = 120.0
+    goodput_long_timeout_s: float = 480.0
+    goodput_long_arms: tuple = ("standby_auto", "standby_off")
+    # tiers: digits with each warm-up tier, killed once 5 s after its standby is ready (off:
+    # 5 s after a checkpoint), so the worker's speed is measured during the warm-up and after
+    tiers_epochs: int = 0
+    tiers_modes: tuple = ("import_only", "on", "off")
+    tiers_trigger: str = "standby_ready+5"
 
 
 # FULL, timed on the 2 shared cores (a quiet hour, 2026-12-04), TensorFlow alone: overhead 2.7
@@ -94,17 +127,30 @@ class Config:
 # 40 epochs, not 80 (about 1 minute of training; -5 min over the five goodput runs). The
 # goodput figures then count the first cold start twice as much (its column in the table):
 # compare them with 80-epoch runs only through that column.
+# Issue 27's parts add to FULL (estimated, not yet timed; 2 cores, ResNet-20 epochs of 1.1-1.4 s
+# at 768 images): kills ~3.5 min (2 runs of ~100 s: a cold start, ~40 epochs, three
+# recoveries); goodput_2min ~9.5 min (2 runs of ~4-5 min: 190 epochs put the run's end past
+# the seeded schedule's second kill, at 209 s (the first at 100 s), even at 1.1 s an epoch:
+# 6-12 s of cold start + 209 s of training + a recovery; 170 would end at ~205 s);
+# tiers ~2 min (3 digits runs of ~35 s, timed: digits trains ~0.22 s an epoch here, 2026-12-06,
+# so 150 epochs put the end well past a warm-up of 7-12 s and the 5 s after it). About 15
+# minutes in all.
 FULL = Config("full", reps=1, digits_epochs=10, synth_examples=768, synth_epochs=6,
               fault_steps=2500, fault_epochs=187, fault_modes=("on",), fault_reps=1,
               goodput_epochs=40, goodput_reps=1, goodput_timeout_s=420.0, kill_every_s=20.0,
               hang_timeout_s=6.0, synth_plain_fit=False, standby_epochs=60, standby_kills=2,
-              standby_synth_epochs=16)
+              standby_synth_epochs=16, kills_epochs=40, goodput_long_epochs=190,
+              tiers_epochs=150)
 # QUICK's goodput job trains 32 epochs, not 16: on a quiet machine 16 took 10 s and the run
 # ended before the second kill (2026-12-05: each arm one kill, no recovery to compare).
+# Issue 27 in QUICK: kills only, ~3 min added (2 runs of ~80-90 s: auto's took 80 s on a quiet
+# machine, 2026-12-06; 384 images make an epoch ~0.6-0.7 s, so 70 of them). goodput_2min is left
+# out: two kills ~2 min apart need runs of ~4 min per arm (~8 min), far over a smoke run's
+# minute; tiers too (~2 min): the full bench measures them.
 QUICK = Config("quick", reps=1, digits_epochs=4, synth_examples=384, synth_epochs=3,
                fault_steps=2500, fault_epochs=187, fault_modes=("on",), fault_reps=1,
                goodput_epochs=32, goodput_reps=1, goodput_timeout_s=240.0, kill_every_s=20.0,
-               hang_timeout_s=6.0, cache_jobs=("digits",))
+               hang_timeout_s=6.0, cache_jobs=("digits",), kills_epochs=70)
 RESTARTS = {"max": 10, "backoff": {"initial": arms.RESTART_DELAY_S, "max": arms.RESTART_DELAY_S}}
 # What each recovery fault dies of, as the supervisor classifies it. The raised error is a
 # storage error (a Drive mount that dropped): its whole ladder is a plain restart, which
@@ -186,6 +232,21 @@ def prepare_jobs(cfg: Config, work: str) -> dict[str, str]:
             {"name": f"faults_{mode}", "restarts": RESTARTS, "epochs": cfg.fault_epochs,
              "standby": mode, "hang_timeout": cfg.hang_timeout_s,
              "checkpoint": {"background": True, "every_steps": 225}})
+    for mode in cfg.kills_modes if cfg.kills_epochs else ():  # issue 27: kinds of kill
+        jobs[f"kills_{mode}"] = arms.prepare_job(
+            jobs["synthetic"], os.path.join(work, "jobs", f"kills_{mode}"),
+            {"name": f"kills_{mode}", "epochs": cfg.kills_epochs, "standby": mode})
+    for arm in cfg.goodput_long_arms if cfg.goodput_long_epochs else ():  # kills every ~2 min
+        mode = arm.split("_", 1)[1]
+        jobs[f"goodput_long_{mode}"] = arms.prepare_job(
+            jobs["synthetic"], os.path.join(work, "jobs", f"goodput_long_{mode}"),
+            {"name": f"goodput_long_{mode}", "epochs": cfg.goodput_long_epochs,
+             "standby": mode})
+    for mode in cfg.tiers_modes if cfg.tiers_epochs else ():  # the warm-up tiers, digits
+        jobs[f"tiers_{mode}"] = arms.prepare_job(
+            digits_src, os.path.join(work, "jobs", f"tiers_{mode}"),
+            {"name": f"tiers_{mode}", "restarts": RESTARTS, "epochs": cfg.tiers_epochs,
+             "standby": mode, "checkpoint": {"background": True}})
     for name in ("digits", "synthetic"):
         jobs[f"{name}_nostandby"] = arms.prepare_job(
             jobs[name], os.path.join(work, "jobs", f"{name}_nostandby"), {"standby": "off"})
@@ -313,6 +374,74 @@ def standby(jobs: dict, cfg: Config, work: str) -> dict:
     return out
 
 
+def _kill_line(r: dict) -> str:
+    """Each kill of a run by trigger: '-> first step' seconds and the recovery path."""
+    return "; ".join(f"{x.get('trigger')}"
+                     f"{' (' + x['fallback'] + ')' if x.get('fallback') else ''}"
+                     f" -> {x.get('total')} s {x.get('path')}" for x in r["recoveries"])
+
+
+def kills(jobs: dict, cfg: Config, work: str) -> dict:
+    """Issue 27: kill -> next first step on ResNet-20 for each kind of kill (cfg.kills_triggers,
+    one per attempt, in order), one run per standby setting, side by side (TensorFlow)."""
+    if not cfg.kills_epochs:
+        say("kills: not in this mode")
+        return {}
+    out = {"triggers": list(cfg.kills_triggers), "epochs": cfg.kills_epochs, "runs": {}}
+    for mode in cfg.kills_modes:
+        r = arms.run_orchestrator(jobs[f"kills_{mode}"], os.path.join(work, "kills", mode),
+                                  plan=arms.KillPlan(triggers=cfg.kills_triggers),
+                                  env=arms.backend_env(core_backends.TENSORFLOW))
+        out["runs"][mode] = r
+        say(f"kills synthetic standby {mode}: rc {r['rc']}, {r['wall_s']:.1f} s, cold start "
+            f"{r['startup'].get('total')} s; {_kill_line(r)}")
+    return out
+
+
+def goodput_2min(jobs: dict, cfg: Config, work: str) -> dict:
+    """Issue 27: the goodput job, longer, under a seeded SIGKILL every ~2 min (closer to real
+    preemptions), the orchestrator with the standby auto and off, side by side (TensorFlow)."""
+    if not cfg.goodput_long_epochs:
+        say("goodput_2min: not in this mode")
+        return {}
+    schedule = arms.kill_schedule(cfg.seed, cfg.goodput_long_every_s,
+                                  until_s=cfg.goodput_long_timeout_s)
+    out = {"schedule_s": schedule, "every_s": cfg.goodput_long_every_s,
+           "epochs": cfg.goodput_long_epochs, "arms": {a: [] for a in cfg.goodput_long_arms},
+           "reference": {}}
+    for rep in range(cfg.goodput_reps):
+        for arm in cfg.goodput_long_arms:
+            r = arms.run_orchestrator(jobs[f"goodput_long_{arm.split('_', 1)[1]}"],
+                                      os.path.join(work, "goodput_2min", f"{arm}-{rep}"),
+                                      plan=arms.KillPlan(offsets=schedule),
+                                      timeout=cfg.goodput_long_timeout_s,
+                                      env=arms.backend_env(core_backends.TENSORFLOW))
+            out["arms"][arm].append(r)
+            say(f"goodput_2min {arm} rep {rep + 1}: rc {r['rc']}, {r['wall_s']:.1f} s wall, "
+                f"{r['useful_s']:.1f} s useful, {len(r['kills'])} kill(s), paths "
+                f"{r.get('recovery_paths')}")
+    return out
+
+
+def tiers(jobs: dict, cfg: Config, work: str) -> dict:
+    """Issue 27: the standby's warm-up tiers one against another (digits, TensorFlow): each
+    killed once ``tiers_trigger`` (after its standby is ready; off: after a checkpoint)."""
+    if not cfg.tiers_epochs:
+        say("tiers: not in this mode")
+        return {}
+    out = {"trigger": cfg.tiers_trigger, "epochs": cfg.tiers_epochs, "runs": {}}
+    for mode in cfg.tiers_modes:
+        r = arms.run_orchestrator(jobs[f"tiers_{mode}"], os.path.join(work, "tiers", mode),
+                                  plan=arms.KillPlan(triggers=(cfg.tiers_trigger,)),
+                                  env=arms.backend_env(core_backends.TENSORFLOW))
+        out["runs"][mode] = r
+        say(f"tiers digits standby {mode}: rc {r['rc']}, cold start "
+            f"{r['startup'].get('total')} s, warm-ups "
+            f"{[(x['mode'], x['warm_up_s'], x['slowdown']) for x in r['standbys']]}; "
+            f"{_kill_line(r)}")
+    return out
+
+
 def goodput(jobs: dict, cfg: Config, work: str, backends: tuple) -> dict:
     """The goodput job under a seeded SIGKILL every ~``kill_every_s`` until it ends, three arms
     side by side: the orchestrator with the standby on and off, the shell loop + B&R; each
@@ -428,6 +557,13 @@ def main(argv=None) -> int:
     if "jax" in results and "cache" in parts:
         results["jax"]["cache"] = compile_cache(jobs[core_backends.JAX], cfg, work)
     results["standby"] = standby(tf_jobs, cfg, work) if "standby" in parts else {}
+    tf = core_backends.TENSORFLOW in backends  # issue 27's parts measure TensorFlow
+    results["kills"] = kills(tf_jobs, cfg, work) if tf and "kills" in parts else {}
+    save()
+    results["goodput_2min"] = (goodput_2min(tf_jobs, cfg, work)
+                               if tf and "goodput_2min" in parts else {})
+    save()
+    results["tiers"] = tiers(tf_jobs, cfg, work) if tf and "tiers" in parts else {}
     results["machine"]["load_after"] = report.machine()["load"]
     save()
     summary = report.summarise(results)

@@ -58,15 +58,76 @@ def _merge(base: dict, extra: dict) -> dict:
     return out
 
 
+# A kill's trigger (KillPlan.triggers): an anchor in the attempt's journal, optionally "+S"
+# seconds after it. "checkpoint": its first checkpoint committed after its first step;
+# "first_step": its first step; "standby_ready": the standby for the next attempt journaled
+# ``standby_ready`` -- or, where none will be (none started once the attempt has trained for
+# STANDBY_WAIT_S, or it was discarded or lost), the attempt's first checkpoint (the kill then
+# says ``fallback``: under ``standby: off``, or an ``auto`` that decided none, the kill comes
+# after a checkpoint as the issue asks).
+ANCHORS = ("checkpoint", "first_step", "standby_ready")
+STANDBY_WAIT_S = 3.0  # a standby starts at the first heartbeat after the first step
+
+
+def parse_trigger(trigger: str) -> tuple[str, float]:
+    """"first_step+1.5" -> ("first_step", 1.5); "checkpoint" -> ("checkpoint", 0.0)."""
+    name, _, plus = trigger.partition("+")
+    name = name.strip()
+    if name not in ANCHORS:
+        raise ValueError(f"kill trigger {trigger!r}: the anchor is one of {', '.join(ANCHORS)}")
+    return name, float(plus) if plus.strip() else 0.0
+
+
+def kill_anchors(events: list[dict], attempt: int, now: float) -> dict:
+    """The times of the kill triggers' anchors for ``attempt`` so far (None: not yet), and
+    ``fallback``: why ``standby_ready`` stands at the checkpoint (no standby will be ready)."""
+    first = next((e["ts"] for e in events
+                  if e["event"] == "first_step" and e.get("attempt") == attempt), None)
+    ckpt = None if first is None else next(
+        (e["ts"] for e in events if e["event"] == "checkpoint_committed" and e["ts"] > first),
+        None)
+    nxt = attempt + 1
+    mine = [e for e in events if e.get("for_attempt") == nxt and e["event"] in (
+        "standby_started", "standby_ready", "standby_discarded", "standby_lost")]
+    ready = next((e["ts"] for e in mine if e["event"] == "standby_ready"), None)
+    fallback = None
+    if ready is None and ckpt is not None:
+        gone = next((e for e in mine if e["event"] in ("standby_discarded", "standby_lost")),
+                    None)
+        if gone is not None:
+            fallback = f"the standby for attempt {nxt} was {gone['event'].split('_')[1]}"
+        elif not any(e["event"] == "standby_started" for e in mine) and \
+                now >= first + STANDBY_WAIT_S:
+            fallback = f"no standby for attempt {nxt}"
+        if fallback:
+            ready = ckpt
+    return {"first_step": first, "checkpoint": ckpt, "standby_ready": ready,
+            "fallback": fallback}
+
+
 @dataclass
 class KillPlan:
     offsets: tuple = ()        # kill at these seconds after launch (the goodput schedule) ...
     after_checkpoint: int = 0  # ... or this many times, each once the attempt has committed one
     after_standby: bool = False  # ... and a standby is ready behind it (its recovery is warm)
+    # ... or one kill per trigger, in order, one per attempt ("checkpoint", "first_step+1.5",
+    # "standby_ready": see ANCHORS), each timed from the attempt's own journal
+    triggers: tuple = ()
 
-    def due(self, now: float, launched: float, kills: int, checkpointed: bool) -> bool:
+    def __post_init__(self):
+        for t in self.triggers:
+            parse_trigger(t)  # a typo fails at once, not after minutes of training
+
+    def due(self, now: float, launched: float, kills: int, checkpointed: bool,
+            anchors: dict | None = None) -> bool:
         if self.offsets:
             return kills < len(self.offsets) and now >= launched + self.offsets[kills]
+        if self.triggers:
+            if kills >= len(self.triggers):
+                return False
+            name, plus = parse_trigger(self.triggers[kills])
+            at = (anchors or {}).get(name)
+            return at is not None and now >= at + plus
         return kills < self.after_checkpoint and checkpointed
 
 
@@ -115,7 +176,8 @@ class OrchestratorWatch(_Watch):
         if self.plan.after_standby and not any(
                 e["event"] == "standby_ready" and e.get("for_attempt") == n + 1 for e in events):
             return
-        if not self.plan.due(now, self.launched, len(self.kills), checkpointed):
+        anchors = kill_anchors(events, n, now) if self.plan.triggers else {}
+        if not self.plan.due(now, self.launched, len(self.kills), checkpointed, anchors):
             return
         ready = next((e for e in events if e["event"] == "worker_ready"
                       and e.get("attempt") == n), None)
@@ -129,6 +191,12 @@ class OrchestratorWatch(_Watch):
         self.kills.append({"ts": t, "attempt": n, "pid": wpid, "since_launch_s": round(
             t - self.launched, 3), "reached": breakdown.heartbeat_progress(beat, n, spe) or 0,
             "saved": saved})
+        if self.plan.triggers:
+            trigger = self.plan.triggers[len(self.kills) - 1]
+            self.kills[-1].update(trigger=trigger, fallback=anchors["fallback"] if trigger
+                                  .startswith("standby_ready") else None, since_first_step_s=(
+                                      round(t - anchors["first_step"], 3)
+                                      if anchors.get("first_step") else None))
 
 
 class LoopWatch(_Watch):
@@ -240,9 +308,21 @@ def run_orchestrator(job: str, run_dir: str, plan: KillPlan | None = None,
         "backend": breakdown.backend_of(events),
         "compile_cache": breakdown.compile_cache_at_start(events),
         "recoveries": [dict(breakdown.orchestrator_recovery(events, n, t), attempt=n,
-                            **breakdown.recovery_labels(events, n))
+                            **breakdown.recovery_labels(events, n), **_trigger_of(watch, n))
                        for n, t in sorted(deaths.items())],
+        # issue 27: the policy's decisions and each standby's warm-up, from the journal
+        "standby_decisions": breakdown.standby_decisions(events),
+        "standbys": breakdown.standby_warmups(events),
+        # the first attempt's training speed between its checkpoints (the tiers' reference)
+        "steps_per_s": breakdown.training_rates(events, 1, 0.0, 0.0)["after"],
     }
+
+
+def _trigger_of(watch: "OrchestratorWatch", attempt: int) -> dict:
+    """What set off the bench's kill of ``attempt`` (KillPlan.triggers), where one did."""
+    k = next((k for k in watch.kills if k["attempt"] == attempt and "trigger" in k), None)
+    return {} if k is None else {"trigger": k["trigger"], "fallback": k["fallback"],
+                                 "since_first_step_s": k["since_first_step_s"]}
 
 
 def run_keras(job: str, work_dir: str, backup: bool, loop_plan: KillPlan | None = None,

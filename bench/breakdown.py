@@ -237,3 +237,68 @@ def compile_cache_at_start(events: list[dict], attempt: int = 1) -> dict | None:
     TensorFlow: what says an 'empty cache' cold start was empty and a 'warm' one was not."""
     ready = _index(events).get(("worker_ready", attempt)) or {}
     return ready.get("compile_cache")
+
+
+def standby_decisions(events: list[dict]) -> list[dict]:
+    """The supervisor's ``standby_decided`` events, in order: for which attempt, the mode (None:
+    no standby) and its reason, verbatim (journaled when the decision changes)."""
+    return [{"for_attempt": e.get("for_attempt"), "mode": e.get("mode"),
+             "reason": e.get("reason")} for e in events if e["event"] == "standby_decided"]
+
+
+def _attempt_window(events: list[dict], attempt: int) -> tuple[float | None, float | None]:
+    """From ``attempt``'s first step to its end (None: it has not ended)."""
+    first = next((e["ts"] for e in events
+                  if e["event"] == "first_step" and e.get("attempt") == attempt), None)
+    end = next((e["ts"] for e in events
+                if e["event"] == "attempt_ended" and e.get("attempt") == attempt), None)
+    return first, end
+
+
+def training_rates(events: list[dict], attempt: int, t0: float, t1: float) -> dict:
+    """Steps per second of ``attempt`` between its checkpoint commits (first step to its end),
+    while ``[t0, t1]`` (a standby warming up beside it: each interval between commits whose
+    midpoint falls in it) and after ``t1``; ``slowdown`` = after / during (None: not both
+    measured)."""
+    first, end = _attempt_window(events, attempt)
+    if first is None:
+        return {"during": None, "after": None, "slowdown": None}
+    commits = [(e["ts"], e.get("step")) for e in events if e["event"] == "checkpoint_committed"
+               and e["ts"] >= first and (end is None or e["ts"] <= end)
+               and e.get("step") is not None]
+    sums = {"during": [0, 0.0], "after": [0, 0.0]}
+    for (ta, sa), (tb, sb) in zip(commits, commits[1:]):
+        mid = (ta + tb) / 2
+        part = "during" if t0 <= mid <= t1 else "after" if mid > t1 else None
+        if part and tb > ta and sb > sa:
+            sums[part][0] += sb - sa
+            sums[part][1] += tb - ta
+    rate = {k: round(n / dt, 2) if dt else None for k, (n, dt) in sums.items()}
+    slow = (round(rate["after"] / rate["during"], 3)
+            if rate["during"] and rate["after"] else None)
+    return dict(rate, slowdown=slow)
+
+
+def standby_warmups(events: list[dict]) -> list[dict]:
+    """Each standby of the run: the attempt it was for, its mode, its warm-up (``standby_started``
+    -> ``standby_ready``, None: never ready), what became of it (promoted, discarded, lost, or
+    None: still there at the end) and the training speed of the worker beside it while it
+    warmed up against after (``training_rates``)."""
+    out = []
+    for s in (e for e in events if e["event"] == "standby_started"):
+        pid, n = s.get("pid"), s.get("for_attempt")
+        mine = [e for e in events if e.get("pid") == pid and e.get("for_attempt", e.get(
+            "attempt")) == n and e["ts"] >= s["ts"]]
+        ready = next((e for e in mine if e["event"] == "standby_ready"), None)
+        fate = next((e for e in mine if e["event"] in (
+            "standby_promoted", "standby_discarded", "standby_lost")), None)
+        warm_up = None if ready is None else round(ready["ts"] - s["ts"], 3)
+        rates = (training_rates(events, n - 1, s["ts"], ready["ts"]) if ready is not None
+                 else {"during": None, "after": None, "slowdown": None})
+        out.append({"for_attempt": n, "mode": s.get("mode"), "warm_up_s": warm_up,
+                    "outcome": None if fate is None else fate["event"].split("_", 1)[1],
+                    "reason": None if fate is None else fate.get("reason"),
+                    "steps_per_s_during": rates["during"], "steps_per_s_after": rates["after"],
+                    "slowdown": rates["slowdown"],
+                    "phases_s": None if ready is None else ready.get("phases_s")})
+    return out

@@ -10,7 +10,7 @@ import platform
 import sys
 from importlib import metadata
 
-from . import breakdown, targets
+from . import breakdown, standby_report, targets
 from .stats import (fmt_median, fmt_pct, fmt_ratio, fmt_s, fmt_yes, md_table, median,
                     paired_ratios, spread)
 from .targets import STALL_TARGET_MS, TRAIN_RATIO_TARGET
@@ -92,6 +92,7 @@ def backend_view(results: dict, backend: str) -> dict:
     part = results.get(backend) or {}
     return dict(results, overhead=part.get("overhead") or {}, goodput=part.get("goodput") or {},
                 recovery=part.get("recovery") or {}, cache=part.get("cache") or {}, standby={},
+                kills={}, goodput_2min={}, tiers={},  # issue 27's parts: TensorFlow's
                 jobs=part.get("jobs") or {}, **{backend: None})
 
 
@@ -157,6 +158,11 @@ def summarise(results: dict, limits: targets.Limits = targets.TENSORFLOW) -> dic
                  else arm.replace("_", " "))
         samples[f"synthetic/kill, {label}"] = [
             x for r in runs for x in r["recoveries"] if x.get("kind", "killed") == "killed"]
+    for mode, r in ((results.get("kills") or {}).get("runs") or {}).items():  # issue 27
+        for x in r.get("recoveries") or []:
+            if x.get("trigger"):
+                samples.setdefault(f"synthetic/kill at {x['trigger']}, standby {mode}",
+                                   []).append(x)
     for label, xs in samples.items():
         if xs:
             s["recovery"][label] = dict(breakdown.median_phases(xs), n=len(xs))
@@ -166,7 +172,13 @@ def summarise(results: dict, limits: targets.Limits = targets.TENSORFLOW) -> dic
     s["goodput"] = targets.goodput_summary(g) if g.get("arms") else {}
     if results.get("standby"):
         s["standby"] = standby_summary(results)
-    s["targets"] = targets.target_rows(s, limits)
+    # issue 27: recovery by kind of kill, goodput with a kill every ~2 min, the warm-up tiers
+    s["kills"] = standby_report.kills_summary(results.get("kills") or {})
+    g2 = results.get("goodput_2min") or {}
+    s["goodput_2min"] = targets.goodput_summary(g2) if g2.get("arms") else {}
+    s["tiers"] = standby_report.tiers_summary(results.get("tiers") or {})
+    s["targets"] = targets.target_rows(s, limits) + [
+        standby_report.recovery_target_row(results)]
     s["trained_on"] = backends_trained(results)
     if results.get("jax"):
         s["jax"] = summarise(backend_view(results, "jax"), targets.JAX)
@@ -427,12 +439,28 @@ def markdown(results: dict) -> str:
                 md_table(["job/standby", "kill -> first step (median)", "cold start (this run)",
                           "ratio", "recovery paths", "worker peak RSS (MiB)",
                           "standby RSS when ready (MiB)"], rows), ""]
+    kjob = results["jobs"].get("kills_auto")
+    out += standby_report.kills_markdown(
+        s.get("kills") or {}, f"`jobs/cifar10_resnet` ResNet-20, {cfg['synth_examples']} "
+        f"synthetic images, {describe_job(kjob)}" if kjob else "-")
 
     gjob = results["jobs"].get("goodput_auto")
     out += targets.goodput_markdown(s, cfg["seed"], cfg.get("kill_every_s", 20.0),
                                     f"`jobs/cifar10_resnet` ResNet-20, {cfg['synth_examples']} "
                                     f"synthetic images, {describe_job(gjob)}" if gjob else "-",
                                     gjob.get("epochs") if gjob else None)
+    g2, gjob2 = results.get("goodput_2min") or {}, results["jobs"].get("goodput_long_auto")
+    out += targets.goodput_markdown(
+        {"goodput": s.get("goodput_2min")}, cfg["seed"], g2.get("every_s", 120.0),
+        f"`jobs/cifar10_resnet` ResNet-20, {cfg['synth_examples']} synthetic images, "
+        f"{describe_job(gjob2)}" if gjob2 else "-", gjob2.get("epochs") if gjob2 else None,
+        title="### 3b. Goodput under a seeded SIGKILL every ~2 min (synthetic ResNet-20, "
+              "TensorFlow)")
+    out += standby_report.decisions_markdown(results)
+    tjob = results["jobs"].get("tiers_on")
+    out += standby_report.tiers_markdown(
+        s.get("tiers") or {}, f"digits, {describe_job(tjob)}" if tjob else "-",
+        (results.get("tiers") or {}).get("trigger", "-"))
     if s["footprint"]:
         out += _footprint_markdown(s)
     out += _jax_markdown(results)

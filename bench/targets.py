@@ -115,6 +115,9 @@ def goodput_summary(goodput: dict) -> dict:
             if arm != LOOP_ARM else None,
             "cold": median(sum(p == "cold" for p in r.get("recovery_paths") or []) for r in runs)
             if arm != LOOP_ARM else None,
+            # a standby promoted before it was ready, finishing its warm-up as the attempt
+            "adopted": median(sum(p == "adopted" for p in r.get("recovery_paths") or [])
+                              for r in runs) if arm != LOOP_ARM else None,
             "kill_to_first_step_s": median(x["total"] for k in kills for x in k),
             "kill_ratio": median(_of_cold_start(x["total"], (r.get("startup") or {}).get("total"))
                                  for r, k in zip(runs, kills) for x in k),
@@ -160,7 +163,9 @@ def target_rows(s: dict, limits: Limits = TENSORFLOW) -> list[dict]:
         if not x or x["ratio"] is None:
             rows.append(_row(what, target, "not measured", None))
             return
-        cold = "" if x["all_warm"] else f"; **cold path in {x['paths'].count('cold')}**"
+        not_warm = {p: x["paths"].count(p) for p in dict.fromkeys(x["paths"]) if p != "warm"}
+        cold = "" if x["all_warm"] else "; **" + ", ".join(  # cold, adopted, ... each counted
+            f"{p or 'no'} path in {n}" for p, n in not_warm.items()) + "**"
         lo, hi = x["ratio_spread"]
         rng = f" ({lo:.3f}-{hi:.3f}x, n={x['n']})" if x["n"] > 1 else ""
         rows.append(_row(what, target, f"{fmt_ratio(x['ratio'])}{rng} {note}"
@@ -174,7 +179,9 @@ def target_rows(s: dict, limits: Limits = TENSORFLOW) -> list[dict]:
         rows.append(_row("kill -> next first step, synthetic ResNet-20 (goodput run)",
                          f"<= {limits.kill:.2f}x cold start",
                          f"{fmt_ratio(a['kill_ratio'])} ({fmt_s(a['kill_to_first_step_s'])} s, "
-                         f"median of {a['warm']} warm + {a['cold']} cold; cold start "
+                         f"median of {a['warm']} warm + "
+                         f"{str(a['adopted']) + ' adopted + ' if a.get('adopted') else ''}"
+                         f"{a['cold']} cold; cold start "
                          f"{fmt_s(a['cold_start_s'])} s)", a["kill_ratio"] <= limits.kill))
     else:
         rows.append(_row("kill -> next first step, synthetic ResNet-20", "", "not measured",
@@ -285,14 +292,16 @@ def goodput_markdown(s: dict, seed: int, mean_s: float, job: str,
             weights = f"auto = off: {fmt_yes(g['orchestrator_arms_agree'])}"
         else:
             weights = "not checked"
-        rec = "-" if x["warm"] is None else f"{fmt_s(x['warm'], 0)} / {fmt_s(x['cold'], 0)}"
+        rec = "-" if x["warm"] is None else (f"{fmt_s(x['warm'], 0)} / "
+                                             f"{fmt_s(x.get('adopted'), 0)} / "
+                                             f"{fmt_s(x['cold'], 0)}")
         rows.append([ARM_LABELS.get(arm, arm), fmt_s(x["wall_s"], 1), fmt_s(x["useful_s"], 1),
                      fmt_s(x["cold_start_s"]), fmt_s(x["kills"], 0), rec,
                      fmt_s(x["kill_to_first_step_s"]),
                      fmt_s(x["steps_redone"], 0), fmt_pct(x["goodput"]), fmt_yes(x["completed"]),
                      weights])
     out.append(md_table(["", "wall (s)", "useful (s)", "of the wall: first cold start (s)",
-                         "kills", "recoveries warm / cold",
+                         "kills", "recoveries warm / adopted / cold",
                          "kill -> first step (s, median)", "steps redone", "goodput",
                          "completed", "final weights = uninterrupted run's"], rows))
     out += ["", "Steps redone = steps trained after the last saved state by killed processes "
