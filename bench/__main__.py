@@ -99,7 +99,9 @@ class Config:
     # ~12 s at ~1.8x slower) and a tail.
     kills_epochs: int = 0
     kills_triggers: tuple = KILL_TRIGGERS
-    kills_modes: tuple = ("auto", "off")
+    # auto (the default), on (a standby behind every attempt: the one place kill (b) meets a
+    # standby still warming up whatever auto decides) and off; ~+75 s (quick) for "on"
+    kills_modes: tuple = ("auto", "on", "off")
     # goodput_2min: the goodput job under a SIGKILL every ~2 min (TensorFlow, the orchestrator
     # arms only: the shell loop's figure is the ~20 s table's)
     goodput_long_epochs: int = 0

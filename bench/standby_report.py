@@ -114,8 +114,8 @@ def kills_markdown(ks: dict, job: str) -> list[str]:
             f"Job: {job}. One run per standby setting, side by side, each killed (SIGKILL) once "
             "per attempt: (a) once the first attempt has a checkpoint, and the seconds after it "
             "the trigger says (auto starts no standby behind a run's first attempt); (b) 1.5 s "
-            "after the next attempt's first step (auto: its standby has just started, so it is "
-            "adopted or discarded); (c) once the standby for the next attempt is ready (where "
+            "after the next attempt's first step (where a standby was started behind it, as `on` "
+            "always does, it is still warming up: adopted); (c) once the standby for the next attempt is ready (where "
             "none will be: at the attempt's first checkpoint, said in the cell). Each cell: kill "
             "-> next first step (x the run's cold start), the recovery path "
             "(`attempt_started.path`).", "",

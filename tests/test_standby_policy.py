@@ -199,3 +199,44 @@ def test_auto_starts_none_after_a_kill_when_the_run_ends_before_the_next(fake_jo
     assert [(e["for_attempt"], e["mode"]) for e in decided] == [(2, None), (3, None)], decided
     assert "before the next kill" in decided[1]["reason"], decided[1]["reason"]
     assert not [e for e in events if e["event"] == "standby_started"]
+
+
+def test_before_any_kill_a_long_run_gets_one_when_its_warm_up_is_a_small_share_of_it():
+    # 6 s x 0.45 = 2.7 s against 300 s of training left (32 epochs at 0.1/s, less 20 s)
+    ev = Evidence(cold_start_s=6.0, epoch=8.0, epoch_ts=100.0, epochs=40, epochs_per_s=0.1)
+    ok, why = worth_it("cpu", 2, ev, now=120.0)
+    assert ok and "300 s of training left" in why and "~2.7 s" in why and "0.9%" in why, why
+    # a short run (60 s left) pays 4.5 %: none, as in any run whose pace is not known yet
+    short = Evidence(cold_start_s=6.0, epoch=34.0, epoch_ts=100.0, epochs=40, epochs_per_s=0.1)
+    assert not worth_it("cpu", 2, short, now=100.0)[0]
+    assert not worth_it("cpu", 2, Evidence(cold_start_s=6.0), now=100.0)[0]
+
+
+@pytest.mark.integration
+def test_a_long_run_never_killed_gets_a_standby_once_its_pace_is_known(fake_job, monkeypatch):
+    """At the first step its pace is unknown (none); asked again at a later commit, the rest of
+    the run is long against the warm-up's cost (the fake's cold start, under a second)."""
+    from orchestrator.supervise import standby
+
+    monkeypatch.setattr(standby_policy, "cores", lambda: 2)
+    monkeypatch.setattr(standby, "RETRY_S", 0.0)
+    rc, out, events = supervise(fake_job(epochs=24), dict(SLOW, epoch_s=0.4), standby=True)
+    assert rc == 0, out
+    decided = [e for e in events if e["event"] == "standby_decided"]
+    assert [(e["for_attempt"], e["mode"]) for e in decided] == [(2, None), (2, "warm")], decided
+    assert "no kill in this run yet, and" in decided[1]["reason"], decided[1]["reason"]
+    started = [e for e in events if e["event"] == "standby_started"]
+    assert [e["for_attempt"] for e in started] == [2]  # once: not again at every commit
+
+
+@pytest.mark.integration
+def test_asking_again_at_commits_never_restarts_a_standby_that_failed_its_warm_up(
+        fake_job, monkeypatch):
+    from orchestrator.supervise import standby
+
+    monkeypatch.setattr(standby, "RETRY_S", 0.0)
+    plan = dict(SLOW, epoch_s=0.4, standby_exit={"2": 1})
+    rc, out, events = supervise(fake_job(epochs=12, extra="standby: on"), plan, standby=True)
+    assert rc == 0, out
+    # the first and its one replacement (StandbyKeeper.exited), then no more for attempt 2
+    assert [e["for_attempt"] for e in events if e["event"] == "standby_started"] == [2, 2]

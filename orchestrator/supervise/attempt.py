@@ -201,6 +201,8 @@ class Attempt:
                 break
             if isinstance(item, Committed):
                 on_checkpoint()
+                if training:
+                    self.standby.retry(self.n + 1)
             elif isinstance(item, Beat):
                 self.hang.beat(item.rank, item.record)
                 if self.hang.stepped and not training:

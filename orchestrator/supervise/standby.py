@@ -82,6 +82,10 @@ def _overrides(env: dict) -> dict:
     return {k: v for k, v in env.items() if k.startswith(ENV_PREFIX)}
 
 
+# While an attempt trains with no standby behind it, auto is asked again at a checkpoint's
+# commit at most this often (its pace is known only from commits; each asking reads the journal)
+RETRY_S = 15.0
+
 # How long a discarded standby's exit is waited for after its SIGKILL (it frees its memory
 # first: usually milliseconds, longer on a loaded machine)
 DISCARD_WAIT_S = 10.0
@@ -176,6 +180,8 @@ class StandbyKeeper:
         self.slot, self.recovery = slot, recovery
         self.cores = cores or (lambda: standby_policy.cores())  # looked up late: tests set it
         self._decided: tuple | None = None
+        self._asked = 0.0  # monotonic time of the last decision
+        self._started_for: set[int] = set()  # attempts a standby was started for
         self.current: Standby | None = None
         self._replaced: set[int] = set()  # attempts whose lost standby was replaced once
 
@@ -202,6 +208,7 @@ class StandbyKeeper:
 
     def decide(self, for_attempt: int) -> str | None:
         """The mode for ``for_attempt``'s standby, journaled when the decision changes."""
+        self._asked = time.monotonic()
         mode, why = self.mode()
         if (mode, why) != self._decided:
             self._decided = (mode, why)
@@ -216,10 +223,18 @@ class StandbyKeeper:
         mode = self.decide(for_attempt)
         if mode is None:
             return
+        self._started_for.add(for_attempt)
         self.current = Standby(for_attempt, mode, self.cmd(self.spec, for_attempt, mode),
                                self.recovery.attempt_env(), self.spec.job_dir,
                                self.rd.standby_log(for_attempt), self.slot.events,
                                self.journal).start()
+
+    def retry(self, for_attempt: int) -> None:
+        """A checkpoint was committed while the attempt trains: if it has no standby, ask again
+        (at most every ``RETRY_S``): a long run's pace is known only from its commits."""
+        if self.current is None and for_attempt not in self._started_for \
+                and time.monotonic() - self._asked >= RETRY_S:
+            self.start(for_attempt)
 
     def exited(self, proc, rc: int, for_attempt: int) -> None:
         """A process on the queue that is not the attempt's exited: if it is the standby, it

@@ -9,7 +9,9 @@ worker is then killed. So ``standby: auto`` decides per attempt, from the run's 
 
 - training on a GPU or a TPU: a standby (the device does the training, the CPU is spare);
 - a CPU with cores to spare (``SPARE_CORES`` or more): a standby, its warm-up takes one of them;
-- a CPU-bound worker on fewer cores: none until this run has seen a kill, then one when what
+- a CPU-bound worker on fewer cores: none until this run has seen a kill (unless the run is
+  long: its warm-up's cost at most ``LONG_RUN_SHARE`` of the training left, at the pace of its
+  commits; asked again at commits, every ``standby.RETRY_S``), then one when what
   it is expected to save beats what its warm-up costs: (the share of attempts that ended in
   a kill) x (the run's cold start) > (the last warm-up's length) x ``WARM_UP_SLOWDOWN`` x
   2 / cores. Every figure is the run's own where it has one (journaled ``first_step`` of cold
@@ -55,6 +57,10 @@ SPARE_CORES = 4
 # Until the run has its own figures: the bench's digits cold start and warm-up on 2 cores.
 DEFAULT_COLD_START_S = 7.6
 DEFAULT_WARM_UP_S = 8.0
+# Before any kill, a standby where its warm-up costs at most this share of the training left:
+# a long run that is never killed pays at most that (the bound of "no fault-free run slower
+# than standby: off by more than noise"), and its first kill recovers warm.
+LONG_RUN_SHARE = 0.02
 # Standbys discarded still warming up, one after another, before auto stops starting them.
 UNREADY_IN_A_ROW = 2
 
@@ -164,6 +170,14 @@ def worth_it(strategy: str, n_cores: int, ev: Evidence,
     if n_cores >= SPARE_CORES:
         return True, f"{n_cores} cores: one is the standby's while it warms up"
     if not ev.killed:
+        warm_up = ev.warm_up_s or ev.cold_start_s or DEFAULT_WARM_UP_S
+        cost = warm_up * WARM_UP_SLOWDOWN * 2 / n_cores
+        left = ev.training_left_s(now) if now is not None else None
+        if left is not None and cost <= LONG_RUN_SHARE * left:
+            return True, (f"no kill in this run yet, and {left:.0f} s of training left: a "
+                          f"warm-up costs it ~{cost:.1f} s ({warm_up:.1f} s x "
+                          f"{WARM_UP_SLOWDOWN} x 2/{n_cores}), {cost / left:.1%} of that, "
+                          f"at most {LONG_RUN_SHARE:.0%}")
         return False, (f"no kill in this run yet: on {n_cores} core(s) a standby's warm-up "
                        f"slows a CPU-bound worker ({1 / (1 - WARM_UP_SLOWDOWN):.1f}x for its ~"
                        f"{ev.warm_up_s or DEFAULT_WARM_UP_S:.0f} s, measured) for no gain")
