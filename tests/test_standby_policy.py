@@ -145,10 +145,9 @@ def test_none_when_the_run_is_expected_to_end_before_the_next_kill():
     ev = Evidence(attempts_ended=1, killed=1, cold_start_s=6.0, warm_up_s=6.0,
                   kill_gaps_s=(16.7,), last_kill_ts=100.0, epoch=20.0, epoch_ts=106.0,
                   epochs=32, epochs_per_s=1.25)
-    # at 107 s: 12 epochs at 1.25/s = 9.6 s, less the 1 s since that commit: 8.6 s left; the
-    # next kill is expected in 9.7 s
+    # at 107 s: 12 epochs at 1.25/s = 9.6 s left; the next kill is expected in 9.7 s
     ok, why = worth_it("cpu", 2, ev, now=107.0)
-    assert not ok and "expected to end in 8.6 s (12.0 epochs at 1.25/s)" in why, why
+    assert not ok and "expected to end in 9.6 s (12.0 epochs at 1.25/s)" in why, why
     assert "before the next kill (in 9.7 s)" in why
     # a longer run is expected to meet that kill
     longer = Evidence(1, 1, 6.0, 6.0, kill_gaps_s=(16.7,), last_kill_ts=100.0, epoch=20.0,
@@ -172,8 +171,8 @@ def test_where_training_stands_and_its_pace_come_from_the_journal():
     ]
     ev = Evidence.from_journal(events, is_preemption, epochs=8)
     assert (ev.epoch, ev.epoch_ts, ev.epochs, ev.epochs_per_s) == (5.2, 40.0, 8, 0.5)
-    assert ev.training_left_s(now=41.0) == pytest.approx(2.8 / 0.5 - 1.0)
-    assert Evidence.from_journal(events, is_preemption).training_left_s(41.0) is None
+    assert ev.training_left_s() == pytest.approx(2.8 / 0.5)
+    assert Evidence.from_journal(events, is_preemption).training_left_s() is None
 
 
 def test_a_standby_adopted_still_warming_up_bounds_the_warm_up_as_a_discarded_one_does():
@@ -189,11 +188,11 @@ def test_a_standby_adopted_still_warming_up_bounds_the_warm_up_as_a_discarded_on
 @pytest.mark.integration
 def test_auto_starts_none_after_a_kill_when_the_run_ends_before_the_next(fake_job, monkeypatch):
     """The first kill after 4 s of training; 3 epochs of 1 s are left, the next kill is
-    expected ~5 s later: no standby is worth it (the fake journals its commits and steps per
+    expected ~4 s later: no standby is worth it (the fake journals its commits and steps per
     epoch as the worker does)."""
     monkeypatch.setattr(standby_policy, "cores", lambda: 2)
     plan = dict(SLOW, epoch_s=1.0, exit_at_epoch={"1": [5, -9]})
-    rc, out, events = supervise(fake_job(epochs=8), plan, standby=True)
+    rc, out, events = supervise(fake_job(epochs=7), plan, standby=True)
     assert rc == 0, out
     decided = [e for e in events if e["event"] == "standby_decided"]
     assert [(e["for_attempt"], e["mode"]) for e in decided] == [(2, None), (3, None)], decided
@@ -202,8 +201,8 @@ def test_auto_starts_none_after_a_kill_when_the_run_ends_before_the_next(fake_jo
 
 
 def test_before_any_kill_a_long_run_gets_one_when_its_warm_up_is_a_small_share_of_it():
-    # 6 s x 0.45 = 2.7 s against 300 s of training left (32 epochs at 0.1/s, less 20 s)
-    ev = Evidence(cold_start_s=6.0, epoch=8.0, epoch_ts=100.0, epochs=40, epochs_per_s=0.1)
+    # 6 s x 0.45 = 2.7 s against 300 s of training left (30 epochs at 0.1/s)
+    ev = Evidence(cold_start_s=6.0, epoch=10.0, epoch_ts=100.0, epochs=40, epochs_per_s=0.1)
     ok, why = worth_it("cpu", 2, ev, now=120.0)
     assert ok and "300 s of training left" in why and "~2.7 s" in why and "0.9%" in why, why
     # a short run (60 s left) pays 4.5 %: none, as in any run whose pace is not known yet

@@ -87,11 +87,13 @@ class Evidence:
     epochs: int | None = None
     epochs_per_s: float | None = None
 
-    def training_left_s(self, now: float) -> float | None:
-        """Seconds of training left at ``now`` at the run's pace; None when not known."""
-        if None in (self.epoch, self.epoch_ts, self.epochs) or not self.epochs_per_s:
+    def training_left_s(self) -> float | None:
+        """Seconds of training left after the newest commit at the run's pace; None when not
+        known. Not less the time since that commit: after a kill that time was the restart's
+        (bench --quick, 2026-12-05: 6 s of a cold start were taken off a run's 19 s)."""
+        if None in (self.epoch, self.epochs) or not self.epochs_per_s:
             return None
-        return max(0.0, (self.epochs - self.epoch) / self.epochs_per_s - (now - self.epoch_ts))
+        return max(0.0, (self.epochs - self.epoch) / self.epochs_per_s)
 
     @classmethod
     def from_journal(cls, events, is_kill, epochs: int | None = None) -> "Evidence":
@@ -172,7 +174,7 @@ def worth_it(strategy: str, n_cores: int, ev: Evidence,
     if not ev.killed:
         warm_up = ev.warm_up_s or ev.cold_start_s or DEFAULT_WARM_UP_S
         cost = warm_up * WARM_UP_SLOWDOWN * 2 / n_cores
-        left = ev.training_left_s(now) if now is not None else None
+        left = ev.training_left_s()
         if left is not None and cost <= LONG_RUN_SHARE * left:
             return True, (f"no kill in this run yet, and {left:.0f} s of training left: a "
                           f"warm-up costs it ~{cost:.1f} s ({warm_up:.1f} s x "
@@ -204,7 +206,7 @@ def worth_it(strategy: str, n_cores: int, ev: Evidence,
         if left <= ready_in:
             return False, (f"{every}: the next is expected in {left:.1f} s, before a standby "
                            f"would be ready ({ready_in:.1f} s warm-up)")
-        training_left = ev.training_left_s(now)
+        training_left = ev.training_left_s()
         if training_left is not None and training_left <= left:
             # measured (bench --quick, goodput, 2026-12-05): the one started after the run's
             # only kill was never used (the run ended first), and it cost auto 0.538 goodput
