@@ -135,3 +135,17 @@ def test_a_real_oom_kill_of_the_worker_is_classified_out_of_memory(fake_job, tmp
         assert ended[-1]["exit_code"] == 0
     finally:
         os.rmdir(cg)
+
+
+def test_memory_headroom_is_the_least_of_memavailable_and_each_cgroups_limit_less_its_usage(
+        tmp_path):
+    root, proc = _v2_tree(tmp_path, limit=str(6 * 2**30))
+    _write(str(tmp_path / "cg" / "user" / "job" / "memory.current"), f"{5 * 2**30}\n")
+    meminfo = str(tmp_path / "meminfo")
+    _write(meminfo, "MemTotal:       24000000 kB\nMemAvailable:   20000000 kB\n")
+    # the job's cgroup: 6 GiB limit, 5 GiB used -> 1 GiB, under the machine's ~19 GiB
+    assert oom.headroom(meminfo, 42, proc, root) == 2**30
+    # no limit ("max"): the machine's
+    root, proc = _v2_tree(tmp_path / "nolimit")
+    assert oom.headroom(meminfo, 42, proc, root) == 20000000 * 1024
+    assert oom.headroom(str(tmp_path / "none"), 42, str(tmp_path / "noproc"), root) is None

@@ -239,3 +239,24 @@ def test_asking_again_at_commits_never_restarts_a_standby_that_failed_its_warm_u
     assert rc == 0, out
     # the first and its one replacement (StandbyKeeper.exited), then no more for attempt 2
     assert [e["for_attempt"] for e in events if e["event"] == "standby_started"] == [2, 2]
+
+
+def test_a_standby_needs_memory_for_about_as_much_as_the_worker_holds():
+    gib = 2**30
+    ok, why = standby_policy.memory_allows(worker_rss=2 * gib, headroom=int(2.2 * gib))
+    assert not ok and "2.2 GiB of memory available, a standby needs about 2.5 GiB" in why, why
+    assert standby_policy.memory_allows(2 * gib, 3 * gib)[0]
+    assert standby_policy.memory_allows(None, 0)[0]  # not known: allowed
+
+
+@pytest.mark.integration
+def test_auto_starts_none_where_the_memory_left_could_not_hold_it(fake_job, monkeypatch):
+    from orchestrator.recovery import oom
+
+    monkeypatch.setattr(standby_policy, "cores", lambda: 8)  # the CPU rule would say yes
+    monkeypatch.setattr(oom, "headroom", lambda: 2**20)  # 1 MiB left
+    rc, out, events = supervise(fake_job(epochs=3), dict(SLOW, epoch_s=0.3), standby=True)
+    assert rc == 0, out
+    decided = [e for e in events if e["event"] == "standby_decided"]
+    assert decided[0]["mode"] is None and "GiB of memory available" in decided[0]["reason"]
+    assert not [e for e in events if e["event"] == "standby_started"]

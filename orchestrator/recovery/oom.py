@@ -93,6 +93,35 @@ def _limit(d: str) -> int | None:
     return None
 
 
+def _usage(d: str) -> int | None:
+    for name in ("memory.current", "memory.usage_in_bytes"):
+        try:
+            with open(os.path.join(d, name), encoding="utf-8") as f:
+                return int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def headroom(meminfo: str = "/proc/meminfo", pid: int | str = "self",
+             proc: str = "/proc", root: str = CGROUP_ROOT) -> int | None:
+    """Bytes this process's cgroups and the machine could still give another process: the
+    least of ``MemAvailable`` and, per memory cgroup with a limit, its limit less its usage
+    (a container's or a notebook runtime's cap); None when none of them can be read."""
+    found = []
+    try:
+        with open(meminfo, encoding="ascii") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+        found.append(int(fields["MemAvailable"].split()[0]) * 1024)
+    except (OSError, KeyError, ValueError):
+        pass
+    for d in memory_cgroups(pid, proc, root):
+        lim, used = _limit(d), _usage(d)
+        if lim is not None and used is not None:
+            found.append(max(0, lim - used))
+    return min(found) if found else None
+
+
 def snapshot(dirs: list[str]) -> Snapshot:
     counters, limits = {}, {}
     for d in dirs:

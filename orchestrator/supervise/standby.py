@@ -30,6 +30,7 @@ import subprocess
 import time
 from typing import Callable
 
+from orchestrator.core import heartbeat
 from orchestrator.core.backends import JAX, TENSORFLOW
 from orchestrator.core.events import Event
 from orchestrator.core.journal import Journal
@@ -37,6 +38,7 @@ from orchestrator.core.kinds import Action
 from orchestrator.core.rundir import ENV_PREFIX, RunDir
 from orchestrator.core.spec import JobSpec
 from orchestrator.core.standbymode import StandbyMode
+from orchestrator.recovery import oom
 from orchestrator.recovery.failures import read_tail
 from orchestrator.recovery.policy import is_preemption
 from orchestrator.supervise import standby_policy
@@ -199,6 +201,10 @@ class StandbyKeeper:
         if setting == ON and mode is not None:
             return mode, f"standby: on ({why})"
         if setting == "auto" and mode == WARM:
+            fits, why = standby_policy.memory_allows(
+                (heartbeat.read(self.rd.for_rank(0)) or {}).get("rss"), oom.headroom())
+            if not fits:
+                return None, f"auto: {why}"
             evidence = standby_policy.Evidence.from_journal(self.journal.events(),
                                                            is_preemption, self.spec.epochs)
             ok, figures = standby_policy.worth_it(strategy, self.cores(), evidence,

@@ -34,6 +34,11 @@ worker is then killed. So ``standby: auto`` decides per attempt, from the run's 
 A standby the next attempt finds still warming up is adopted, not discarded
 (supervise/standby.py): no recovery is slower than a cold start for having had one.
 
+Before any of these, on any device: none where the memory left (``MemAvailable``, and a
+cgroup's limit less its usage) could not hold one (``memory_allows``: a standby holds about as
+much as the worker); that a GPU's own memory would hold it is not checked here (both workers
+then grow their GPU memory as they need it).
+
 ``standby: on`` always starts one (where the device allows), ``off`` never; the decision and
 its figures are journaled whenever it changes (``standby_decided``).
 """
@@ -61,6 +66,9 @@ DEFAULT_WARM_UP_S = 8.0
 # a long run that is never killed pays at most that (the bound of "no fault-free run slower
 # than standby: off by more than noise"), and its first kill recovers warm.
 LONG_RUN_SHARE = 0.02
+# A standby's memory, x the worker's resident size: it holds about as much, and the worker's
+# own grows past the size its heartbeat said (its peak came later in that run)
+MEMORY_MARGIN = 1.25
 # Standbys discarded still warming up, one after another, before auto stops starting them.
 UNREADY_IN_A_ROW = 2
 
@@ -153,6 +161,19 @@ def _was_ready(discarded: dict) -> bool:
     if "was_ready" in discarded:
         return bool(discarded["was_ready"])
     return "warming up" not in (discarded.get("reason") or "")
+
+
+def memory_allows(worker_rss: int | None, headroom: int | None) -> tuple[bool, str]:
+    """Whether the memory left could hold a standby: it holds about as much as the worker
+    (ResNet-20 on 2 cores: 939 MiB ready, beside the worker's peak of 1027 MiB), so it needs
+    the worker's resident size x ``MEMORY_MARGIN``. Unknown figures allow it."""
+    if not worker_rss or headroom is None:
+        return True, "memory: not known"
+    need = worker_rss * MEMORY_MARGIN
+    why = (f"{headroom / 2**30:.1f} GiB of memory available, a standby needs about "
+           f"{need / 2**30:.1f} GiB (the worker's {worker_rss / 2**30:.1f} GiB x "
+           f"{MEMORY_MARGIN})")
+    return headroom >= need, why
 
 
 def cores() -> int:
