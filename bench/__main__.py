@@ -143,15 +143,17 @@ FULL = Config("full", reps=1, digits_epochs=10, synth_examples=768, synth_epochs
               hang_timeout_s=6.0, synth_plain_fit=False, standby_epochs=60, standby_kills=2,
               standby_synth_epochs=16, kills_epochs=40, goodput_long_epochs=190,
               tiers_epochs=150)
-# QUICK's goodput job trains 32 epochs, not 16: on a quiet machine 16 took 10 s and the run
-# ended before the second kill (2026-12-05: each arm one kill, no recovery to compare).
-# Issue 27 in QUICK: kills only, ~3 min added (2 runs of ~80-90 s: auto's took 80 s on a quiet
-# machine, 2026-12-06; 384 images make an epoch ~0.6-0.7 s, so 70 of them). goodput_2min is left
+# QUICK's goodput job trains 48 epochs, not 16 or 32: on a quiet machine 16 took 10 s and the
+# run ended before the second kill, and at 32 (2026-12-05, 21:12) every arm had one kill, cold,
+# after which auto rightly started no standby (the run was expected to end first): a tie, 0.565
+# against 0.571, that showed nothing of what a standby buys. At 48 the second kill (34.8 s)
+# comes before the end. Issue 27 in QUICK: kills only, ~3.5 min added (3 runs of ~65-70 s: auto,
+# on and off; 384 images make an epoch ~0.6-0.7 s, so 70 of them). goodput_2min is left
 # out: two kills ~2 min apart need runs of ~4 min per arm (~8 min), far over a smoke run's
 # minute; tiers too (~2 min): the full bench measures them.
 QUICK = Config("quick", reps=1, digits_epochs=4, synth_examples=384, synth_epochs=3,
                fault_steps=2500, fault_epochs=187, fault_modes=("on",), fault_reps=1,
-               goodput_epochs=32, goodput_reps=1, goodput_timeout_s=240.0, kill_every_s=20.0,
+               goodput_epochs=48, goodput_reps=1, goodput_timeout_s=240.0, kill_every_s=20.0,
                hang_timeout_s=6.0, cache_jobs=("digits",), kills_epochs=70)
 RESTARTS = {"max": 10, "backoff": {"initial": arms.RESTART_DELAY_S, "max": arms.RESTART_DELAY_S}}
 # What each recovery fault dies of, as the supervisor classifies it. The raised error is a

@@ -189,8 +189,13 @@ def test_a_standby_adopted_still_warming_up_bounds_the_warm_up_as_a_discarded_on
 def test_auto_starts_none_after_a_kill_when_the_run_ends_before_the_next(fake_job, monkeypatch):
     """The first kill after 4 s of training; 3 epochs of 1 s are left, the next kill is
     expected ~4 s later: no standby is worth it (the fake journals its commits and steps per
-    epoch as the worker does)."""
+    epoch as the worker does). Asked again at every commit, it says so once."""
+    from orchestrator.supervise import standby
+
     monkeypatch.setattr(standby_policy, "cores", lambda: 2)
+    monkeypatch.setattr(standby, "RETRY_S", 0.0)
+    # the fake's cold start (~0.2 s) would make the long-run rule start one before the kill
+    monkeypatch.setattr(standby_policy, "LONG_RUN_SHARE", 0.0)
     plan = dict(SLOW, epoch_s=1.0, exit_at_epoch={"1": [5, -9]})
     rc, out, events = supervise(fake_job(epochs=7), plan, standby=True)
     assert rc == 0, out

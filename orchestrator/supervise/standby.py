@@ -213,11 +213,15 @@ class StandbyKeeper:
         return mode, why
 
     def decide(self, for_attempt: int) -> str | None:
-        """The mode for ``for_attempt``'s standby, journaled when the decision changes."""
+        """The mode for ``for_attempt``'s standby, journaled when the decision changes: for
+        another attempt, when its mode or reason does; asked again for the same one (at its
+        commits), only when its mode does (the reasons' figures change with every asking: the
+        goodput bench's long run journaled the same "none" twice in 16 s)."""
         self._asked = time.monotonic()
         mode, why = self.mode()
-        if (mode, why) != self._decided:
-            self._decided = (mode, why)
+        last = self._decided
+        if last is None or mode != last[1] or (for_attempt != last[0] and why != last[2]):
+            self._decided = (for_attempt, mode, why)
             self.journal.append(Event.STANDBY_DECIDED, for_attempt=for_attempt, mode=mode,
                                 reason=why)
         return mode
