@@ -397,8 +397,9 @@ def markdown(results: dict) -> str:
             "epoch's end (the orchestrator: its last checkpoint's commit), i.e. without "
             "start-up. Same data, epochs, batch and seed; the plain script shuffles with "
             "`fit(shuffle=True)`, the orchestrator with its (seed, epoch) order. The "
-            "orchestrator runs with its defaults (the warm standby on, warming up beside the "
-            "worker once it trains) except in the last column.", ""]
+            "orchestrator runs with its defaults (`standby: auto`: on 2 cores it starts none "
+            "before a run's first kill unless the run is long, its decisions in the goodput "
+            "section) except in the last column.", ""]
     rep = [[job, *(fmt_yes(o["reproducible"].get(a)) for a in ("orchestrator", "keras_fit_backup",
                                                               "keras_fit"))]
            for job, o in s["overhead"].items()]
