@@ -215,3 +215,33 @@ def test_the_standby_lowers_every_thread_and_puts_them_back_when_promoted():
     lowered, restored = out.stdout.splitlines()
     assert lowered == "0 [19] 1000"
     assert restored == "None [0] 0"
+
+
+def test_an_adopted_standby_whose_warm_up_then_fails_fails_as_the_attempt_with_its_record(
+        monkeypatch):
+    """Adopted while importing, it is the attempt: a failure in the rest of its start-up goes
+    through the attempt's ``guarded`` (error record, exit status the supervisor classifies),
+    not a standby's silent exit 1."""
+    import io
+    from types import SimpleNamespace
+
+    from orchestrator.train import standby
+
+    monkeypatch.setattr(standby, "lower_priority", lambda: 0)
+    monkeypatch.setattr(standby, "restore_priority", lambda before: None)
+    monkeypatch.setattr(sys, "stdin", io.StringIO('{"attempt": 4}\n'))  # the line comes at once
+    guarded = []
+
+    def configure(spec, t0):
+        time.sleep(0.3)  # the promotion thread reads the line meanwhile
+        raise OSError("the framework's import failed")
+
+    def record(rd, attempt, progress, body):
+        with pytest.raises(OSError) as raised:
+            body()
+        guarded.append((attempt, str(raised.value)))
+        return 1
+
+    steps = SimpleNamespace(configure=configure, prepare=None, run=None, guarded=record)
+    rc = standby.serve(None, None, 3, WARM, None, time.time(), steps)
+    assert rc == 1 and guarded == [(4, "the framework's import failed")]

@@ -191,6 +191,12 @@ class Promotion:
         return self.order
 
 
+def _raising(exc: BaseException):
+    def body():
+        raise exc
+    return body
+
+
 def serve(spec, rd, attempt: int, mode: str, notice, t0: float, steps) -> int:
     """Warm up at low priority, journal ``standby_ready``, wait for the promotion line on
     stdin, then become ``attempt`` (the number the promotion line gives). A line that comes
@@ -222,9 +228,11 @@ def serve(spec, rd, attempt: int, mode: str, notice, t0: float, steps) -> int:
                                        phases_s=marks, rss=resident_bytes())
             log.info(f"ready ({mode}) after {ready_at - t0:.1f} s; waiting")
         order = promotion.wait()
-    except Preempted:
-        return EXIT_PREEMPTED
-    except Exception:  # noqa: BLE001 - a standby that cannot warm up is skipped, not fatal
+    except (Exception, Preempted) as exc:  # noqa: BLE001 - a standby's failure is not fatal
+        if promotion.adopted():  # it is the attempt now: its failure is the attempt's, recorded
+            return guarded(rd, promotion.order["attempt"], Position(), _raising(exc))
+        if isinstance(exc, Preempted):
+            return EXIT_PREEMPTED
         traceback.print_exc()
         log.info("failed to warm up; the next recovery is a cold start")
         return 1
