@@ -189,13 +189,8 @@ def test_a_standby_adopted_still_warming_up_bounds_the_warm_up_as_a_discarded_on
 def test_auto_starts_none_after_a_kill_when_the_run_ends_before_the_next(fake_job, monkeypatch):
     """The first kill after 4 s of training; 3 epochs of 1 s are left, the next kill is
     expected ~4 s later: no standby is worth it (the fake journals its commits and steps per
-    epoch as the worker does). Asked again at every commit, it says so once."""
-    from orchestrator.supervise import standby
-
+    epoch as the worker does)."""
     monkeypatch.setattr(standby_policy, "cores", lambda: 2)
-    monkeypatch.setattr(standby, "RETRY_S", 0.0)
-    # the fake's cold start (~0.2 s) would make the long-run rule start one before the kill
-    monkeypatch.setattr(standby_policy, "LONG_RUN_SHARE", 0.0)
     plan = dict(SLOW, epoch_s=1.0, exit_at_epoch={"1": [5, -9]})
     rc, out, events = supervise(fake_job(epochs=7), plan, standby=True)
     assert rc == 0, out
@@ -224,6 +219,9 @@ def test_a_long_run_never_killed_gets_a_standby_once_its_pace_is_known(fake_job,
 
     monkeypatch.setattr(standby_policy, "cores", lambda: 2)
     monkeypatch.setattr(standby, "RETRY_S", 0.0)
+    # the share's value is the unit test's; here the fake's cold start (0.1 s quiet, more beside
+    # the suite's other processes) against its ~9 s of training must not decide it
+    monkeypatch.setattr(standby_policy, "LONG_RUN_SHARE", 0.25)
     rc, out, events = supervise(fake_job(epochs=24), dict(SLOW, epoch_s=0.4), standby=True)
     assert rc == 0, out
     decided = [e for e in events if e["event"] == "standby_decided"]
@@ -265,3 +263,22 @@ def test_auto_starts_none_where_the_memory_left_could_not_hold_it(fake_job, monk
     decided = [e for e in events if e["event"] == "standby_decided"]
     assert decided[0]["mode"] is None and "GiB of memory available" in decided[0]["reason"]
     assert not [e for e in events if e["event"] == "standby_started"]
+
+
+def test_a_decision_asked_again_for_the_same_attempt_is_journaled_only_when_its_mode_changes():
+    """The keeper asks again at commits; the reasons' figures change with every asking (the
+    full bench's 2-minute run journaled the same "none" twice in 16 s)."""
+    from orchestrator.supervise.standby import StandbyKeeper
+
+    journaled = []
+    keeper = StandbyKeeper.__new__(StandbyKeeper)  # decide() needs only these
+    keeper._decided = None
+    keeper.journal = type("J", (), {"append": lambda self, event, **kw: journaled.append(
+        (kw["for_attempt"], kw["mode"], kw["reason"]))})()
+    answers = iter([(None, "next kill in 9.7 s"), (None, "next kill in 8.1 s"),
+                    ("warm", "saves 5 s"), ("warm", "saves 6 s"), ("warm", "saves 6 s")])
+    keeper.mode = lambda: next(answers)
+    for attempt in (3, 3, 3, 4, 4):
+        keeper.decide(attempt)
+    assert journaled == [(3, None, "next kill in 9.7 s"), (3, "warm", "saves 5 s"),
+                         (4, "warm", "saves 6 s")]
