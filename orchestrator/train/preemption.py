@@ -73,11 +73,8 @@ class PreemptionNotice:
         """While this holds, a SIGTERM waits for the next step boundary."""
         if self.requested:
             raise Preempted(None, self.received_at)
-        self._in_training = True
-        try:
+        with self.deferred():
             yield
-        finally:
-            self._in_training = False
 
     @contextlib.contextmanager
     def deferred(self):
