@@ -108,3 +108,11 @@ def complete_lines(data: bytes) -> bytes:
     writing) waits for its end."""
     end = data.rfind(b"\n")
     return data[:end + 1] if end >= 0 else b""
+
+
+def meminfo(path: str = "/proc/meminfo") -> dict[str, int]:
+    """``/proc/meminfo``'s fields in bytes (``MemAvailable``, ``MemTotal``, ...). Raises
+    ``OSError`` where it cannot be read, ``ValueError`` where a line is not ``Key: N kB``."""
+    with open(path, encoding="ascii") as f:
+        fields = dict(line.split(":", 1) for line in f if ":" in line)
+    return {k.strip(): int(v.split()[0]) * 1024 for k, v in fields.items()}

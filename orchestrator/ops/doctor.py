@@ -26,7 +26,7 @@ import tempfile
 import uuid
 from dataclasses import asdict
 
-from orchestrator.core import backends
+from orchestrator.core import backends, osutil
 from orchestrator.core.osutil import read_json
 from orchestrator.ops import jaxcheck
 from orchestrator.ops.checks import FAIL, OK, PROBE_TIMEOUT_S, WARN, Check, run_probe
@@ -298,10 +298,8 @@ def check_run_dir(run_dir: str, env, drive_root: str = DRIVE_ROOT,
 
 def check_memory(meminfo: str = "/proc/meminfo") -> Check:
     try:
-        with open(meminfo, encoding="ascii") as f:
-            fields = dict(line.split(":", 1) for line in f if ":" in line)
-        avail = int(fields["MemAvailable"].split()[0]) / 2**20
-        total = int(fields["MemTotal"].split()[0]) / 2**20
+        fields = osutil.meminfo(meminfo)
+        avail, total = fields["MemAvailable"] / 2**30, fields["MemTotal"] / 2**30
     except (OSError, KeyError, ValueError) as exc:
         return Check("memory", WARN, f"unknown ({meminfo}: {exc})")
     level = WARN if avail < LOW_MEMORY_GB else OK

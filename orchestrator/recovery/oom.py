@@ -22,6 +22,8 @@ import os
 import re
 from dataclasses import dataclass
 
+from orchestrator.core import osutil
+
 CGROUP_ROOT = "/sys/fs/cgroup"
 KMSG = "/dev/kmsg"
 #: a last RSS within this fraction of the memory limit counts as evidence on its own
@@ -110,11 +112,9 @@ def headroom(meminfo: str = "/proc/meminfo", pid: int | str = "self",
     (a container's or a notebook runtime's cap); None when none of them can be read."""
     found = []
     try:
-        with open(meminfo, encoding="ascii") as f:
-            fields = dict(line.split(":", 1) for line in f if ":" in line)
-        found.append(int(fields["MemAvailable"].split()[0]) * 1024)
+        found.append(osutil.meminfo(meminfo)["MemAvailable"])
     except (OSError, KeyError, ValueError):
-        pass
+        pass  # no procfs: the cgroups' figures alone
     for d in memory_cgroups(pid, proc, root):
         lim, used = _limit(d), _usage(d)
         if lim is not None and used is not None:
