@@ -143,7 +143,7 @@ def test_none_when_the_run_is_expected_to_end_before_the_next_kill():
     """bench --quick's goodput run (2026-12-05): the run's only kill came at 16.7 s and it ended
     before the next; the standby started after that kill was paid for and never used."""
     ev = Evidence(attempts_ended=1, killed=1, cold_start_s=6.0, warm_up_s=6.0,
-                  kill_gaps_s=(16.7,), last_kill_ts=100.0, epoch=20.0, epoch_ts=106.0,
+                  kill_gaps_s=(16.7,), last_kill_ts=100.0, epoch=20.0,
                   epochs=32, epochs_per_s=1.25)
     # at 107 s: 12 epochs at 1.25/s = 9.6 s left; the next kill is expected in 9.7 s
     ok, why = worth_it("cpu", 2, ev, now=107.0)
@@ -151,11 +151,11 @@ def test_none_when_the_run_is_expected_to_end_before_the_next_kill():
     assert "before the next kill (in 9.7 s)" in why
     # a longer run is expected to meet that kill
     longer = Evidence(1, 1, 6.0, 6.0, kill_gaps_s=(16.7,), last_kill_ts=100.0, epoch=20.0,
-                      epoch_ts=106.0, epochs=40, epochs_per_s=1.25)
+                      epochs=40, epochs_per_s=1.25)
     assert worth_it("cpu", 2, longer, now=107.0)[0]
     # where its pace is not known yet, the rule does not apply
     unknown = Evidence(1, 1, 6.0, 6.0, kill_gaps_s=(16.7,), last_kill_ts=100.0, epoch=20.0,
-                       epoch_ts=106.0, epochs=32)
+                       epochs=32)
     assert worth_it("cpu", 2, unknown, now=107.0)[0]
 
 
@@ -170,7 +170,7 @@ def test_where_training_stands_and_its_pace_come_from_the_journal():
         {"event": "checkpoint_committed", "attempt": 3, "epoch": 5, "batch": 2, "ts": 40.0},
     ]
     ev = Evidence.from_journal(events, is_preemption, epochs=8)
-    assert (ev.epoch, ev.epoch_ts, ev.epochs, ev.epochs_per_s) == (5.2, 40.0, 8, 0.5)
+    assert (ev.epoch, ev.epochs, ev.epochs_per_s) == (5.2, 8, 0.5)
     assert ev.training_left_s() == pytest.approx(2.8 / 0.5)
     assert Evidence.from_journal(events, is_preemption).training_left_s() is None
 
@@ -202,11 +202,11 @@ def test_auto_starts_none_after_a_kill_when_the_run_ends_before_the_next(fake_jo
 
 def test_before_any_kill_a_long_run_gets_one_when_its_warm_up_is_a_small_share_of_it():
     # 6 s x 0.45 = 2.7 s against 300 s of training left (30 epochs at 0.1/s)
-    ev = Evidence(cold_start_s=6.0, epoch=10.0, epoch_ts=100.0, epochs=40, epochs_per_s=0.1)
+    ev = Evidence(cold_start_s=6.0, epoch=10.0, epochs=40, epochs_per_s=0.1)
     ok, why = worth_it("cpu", 2, ev, now=120.0)
     assert ok and "300 s of training left" in why and "~2.7 s" in why and "0.9%" in why, why
     # a short run (60 s left) pays 4.5 %: none, as in any run whose pace is not known yet
-    short = Evidence(cold_start_s=6.0, epoch=34.0, epoch_ts=100.0, epochs=40, epochs_per_s=0.1)
+    short = Evidence(cold_start_s=6.0, epoch=34.0, epochs=40, epochs_per_s=0.1)
     assert not worth_it("cpu", 2, short, now=100.0)[0]
     assert not worth_it("cpu", 2, Evidence(cold_start_s=6.0), now=100.0)[0]
 

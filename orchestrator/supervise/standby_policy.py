@@ -88,10 +88,9 @@ class Evidence:
     # the gaps between kills in this session (the first from its start), and the last kill's time
     kill_gaps_s: tuple = ()
     last_kill_ts: float | None = None
-    # where training stands: the newest commit's epoch (with its batches as a fraction of one)
-    # and time, the epochs the job trains and its pace (epochs/s between commits)
+    # where training stands: the newest commit's epoch (with its batches as a fraction of one),
+    # the epochs the job trains and its pace (epochs/s between commits)
     epoch: float | None = None
-    epoch_ts: float | None = None
     epochs: int | None = None
     epochs_per_s: float | None = None
 
@@ -109,7 +108,7 @@ class Evidence:
         started, cold, warm_up, ended, killed = {}, [], None, 0, 0
         standby_t0, first, unready, trained = {}, {}, [], []
         since, gaps, last_kill = None, [], None  # since: the session's start, then each kill
-        commits: dict = {}  # attempt -> [(ts, step)] of its committed checkpoints
+        commits: dict = {}  # attempt -> [(ts, epoch)] of its committed checkpoints
         spe = None
         for e in events:
             name = e.get("event")
@@ -152,8 +151,7 @@ class Evidence:
                  if len(cs) >= 2 and cs[-1][0] > cs[0][0] and cs[-1][1] > cs[0][1]]
         return cls(ended, killed, statistics.median(cold) if cold else None, warm_up,
                    tuple(unready), tuple(trained), tuple(gaps), last_kill,
-                   epoch=newest[1] if newest else None, epoch_ts=newest[0] if newest else None,
-                   epochs=epochs, epochs_per_s=statistics.median(paces) if paces else None)
+                   epoch=newest[1] if newest else None, epochs=epochs, epochs_per_s=statistics.median(paces) if paces else None)
 
 
 def _was_ready(discarded: dict) -> bool:
@@ -192,9 +190,11 @@ def worth_it(strategy: str, n_cores: int, ev: Evidence,
         return True, f"the worker trains on the {strategy.upper()}: the CPU is spare"
     if n_cores >= SPARE_CORES:
         return True, f"{n_cores} cores: one is the standby's while it warms up"
+    # until a standby here was ready, its warm-up is taken to be as long as a cold start (the
+    # same imports, build and trace); what it costs the worker beside it
+    warm_up = ev.warm_up_s or ev.cold_start_s or DEFAULT_WARM_UP_S
+    cost = warm_up * WARM_UP_SLOWDOWN * 2 / n_cores
     if not ev.killed:
-        warm_up = ev.warm_up_s or ev.cold_start_s or DEFAULT_WARM_UP_S
-        cost = warm_up * WARM_UP_SLOWDOWN * 2 / n_cores
         left = ev.training_left_s()
         if left is not None and cost <= LONG_RUN_SHARE * left:
             return True, (f"no kill in this run yet, and {left:.0f} s of training left: a "
@@ -215,13 +215,10 @@ def worth_it(strategy: str, n_cores: int, ev: Evidence,
                            f"up (after up to {need:.1f} s), and attempts are killed "
                            f"{recent:.1f} s after their first step (median of the last "
                            f"{min(len(ev.trained_s), 3)}): a standby would not be ready in time")
-    # until a standby here was ready, its warm-up is taken to be as long as a cold start (the
-    # same imports, build and trace), and at least as long as those discarded unready had run
-    warm_up = ev.warm_up_s or ev.cold_start_s or DEFAULT_WARM_UP_S
     if ev.kill_gaps_s and ev.last_kill_ts is not None and now is not None:
         gap = statistics.median(ev.kill_gaps_s[-3:])
         left = gap - (now - ev.last_kill_ts)
-        ready_in = max((warm_up, *ev.unready_s))
+        ready_in = max((warm_up, *ev.unready_s))  # at least as long as those unready had run
         every = (f"kills come every {gap:.1f} s (median of the last "
                  f"{min(len(ev.kill_gaps_s), 3)}), the last {now - ev.last_kill_ts:.1f} s ago")
         if left <= ready_in:
@@ -238,7 +235,6 @@ def worth_it(strategy: str, n_cores: int, ev: Evidence,
     share = ev.killed / max(ev.attempts_ended, 1)
     cold = ev.cold_start_s or DEFAULT_COLD_START_S
     gain = share * cold
-    cost = warm_up * WARM_UP_SLOWDOWN * 2 / n_cores
     figures = (f"{ev.killed} of {ev.attempts_ended} attempts killed x {cold:.1f} s cold start "
                f"= {gain:.1f} s expected saved, against {warm_up:.1f} s warm-up x "
                f"{WARM_UP_SLOWDOWN} x 2/{n_cores} = {cost:.1f} s of training lost")
