@@ -184,6 +184,10 @@ class Promotion:
         """The pipe closed while warming up: discarded, or the supervisor is gone."""
         return self.arrived.is_set() and self.order is None and self.error is None
 
+    def pending(self) -> bool:
+        """Neither adopted nor closed: the warm-up goes on."""
+        return not (self.adopted() or self.closed())
+
     def wait(self) -> dict | None:
         self.arrived.wait()
         if self.error is not None:
@@ -215,13 +219,13 @@ def serve(spec, rd, attempt: int, mode: str, notice, t0: float, steps) -> int:
     prep, ready_at = None, None
     try:
         marks = configure(spec, t0)
-        if mode == StandbyMode.WARM and not promotion.adopted() and not promotion.closed():
+        if mode == StandbyMode.WARM and promotion.pending():
             prep = prepare(spec, t0, marks)
-            if not promotion.adopted() and not promotion.closed():
+            if promotion.pending():
                 trace(prep)
                 prep.backend.after_compile()
                 marks["traced"] = round(time.time() - t0, 3)
-        if not promotion.adopted() and not promotion.closed():
+        if promotion.pending():
             ready_at = time.time()
             Journal(rd.journal).append(Event.STANDBY_READY, source="worker",
                                        for_attempt=attempt, pid=os.getpid(), mode=mode,
@@ -242,14 +246,13 @@ def serve(spec, rd, attempt: int, mode: str, notice, t0: float, steps) -> int:
     t_start = promotion.arrived_at or time.time()
     n = order["attempt"]
     if ready_at is None:  # adopted: threads its warm-up started since the line came, too
-        promotion.priority_why_not = restore_priority(nice)
-    why_not = promotion.priority_why_not
-    info = {"mode": mode, "priority_restored": why_not is None}
-    if ready_at is None:
-        info.update(adopted=True, warmed_s=round(t_start - t0, 3),
-                    done=sorted(k for k in marks if k != "traced"))
+        why_not = restore_priority(nice)
+        info = {"adopted": True, "warmed_s": round(t_start - t0, 3),
+                "done": sorted(k for k in marks if k != "traced")}
     else:
-        info.update(waited_s=round(t_start - ready_at, 3), warm_up_s=round(ready_at - t0, 3))
+        why_not = promotion.priority_why_not
+        info = {"waited_s": round(t_start - ready_at, 3), "warm_up_s": round(ready_at - t0, 3)}
+    info.update(mode=mode, priority_restored=why_not is None)
     if why_not:
         log.info(f"priority {why_not}")
     log.info(f"{'adopted' if ready_at is None else 'promoted'} as attempt {n}")
