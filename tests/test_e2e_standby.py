@@ -182,7 +182,9 @@ def _zombie(pid):
         return True
 
 
-def test_a_standby_promoted_before_any_checkpoint_trains_as_a_cold_worker_would(tmp_path):
+@BOTH_BACKENDS
+def test_a_standby_promoted_before_any_checkpoint_trains_as_a_cold_worker_would(tmp_path,
+                                                                                backend):
     """Its traced step is undone: promoted with no checkpoint, it starts from the very state a
     cold worker builds, and one epoch ends with the same weights; and so does one adopted (the
     line written at once, while it imports)."""
