@@ -248,11 +248,9 @@ def standby_decisions(events: list[dict]) -> list[dict]:
 
 def _attempt_window(events: list[dict], attempt: int) -> tuple[float | None, float | None]:
     """From ``attempt``'s first step to its end (None: it has not ended)."""
-    first = next((e["ts"] for e in events
-                  if e["event"] == "first_step" and e.get("attempt") == attempt), None)
-    end = next((e["ts"] for e in events
-                if e["event"] == "attempt_ended" and e.get("attempt") == attempt), None)
-    return first, end
+    idx = _index(events)
+    first, end = idx.get(("first_step", attempt)), idx.get(("attempt_ended", attempt))
+    return (first or {}).get("ts"), (end or {}).get("ts")
 
 
 def training_rates(events: list[dict], attempt: int, t0: float, t1: float) -> dict:

@@ -186,10 +186,6 @@ def summarise(results: dict, limits: targets.Limits = targets.TENSORFLOW) -> dic
     return s
 
 
-def _cold(run: dict) -> float | None:
-    return (run.get("startup") or {}).get("total")
-
-
 def _entries(run: dict) -> int | None:
     return (run.get("compile_cache") or {}).get("entries_at_start")
 
@@ -202,12 +198,12 @@ def cache_summary(cache: dict) -> dict:
     out = {}
     for job, pairs in (cache.get("runs") or {}).items():
         empty, warm = [p["empty"] for p in pairs], [p["warm"] for p in pairs]
-        ratios = paired_ratios([_cold(r) for r in warm], [_cold(r) for r in empty])
+        ratios = paired_ratios([targets.cold_start(r) for r in warm], [targets.cold_start(r) for r in empty])
         entries = [(_entries(e), _entries(w)) for e, w in zip(empty, warm)]
         out[job] = {
-            "n": len(pairs), "empty_s": median(_cold(r) for r in empty),
-            "empty_spread": spread(_cold(r) for r in empty),
-            "warm_s": median(_cold(r) for r in warm), "warm_spread": spread(_cold(r) for r in warm),
+            "n": len(pairs), "empty_s": median(targets.cold_start(r) for r in empty),
+            "empty_spread": spread(targets.cold_start(r) for r in empty),
+            "warm_s": median(targets.cold_start(r) for r in warm), "warm_spread": spread(targets.cold_start(r) for r in warm),
             "ratio": median(ratios), "ratio_spread": spread(ratios),
             "empty_phases": breakdown.median_phases([r.get("startup") or {} for r in empty]),
             "warm_phases": breakdown.median_phases([r.get("startup") or {} for r in warm]),
@@ -293,7 +289,7 @@ def standby_summary(results: dict) -> dict:
     out = {}
     for mode, r in results["standby"].items():
         totals = [x["total"] for x in r["recoveries"] if x.get("total") is not None]
-        cold = (r.get("startup") or {}).get("total")
+        cold = targets.cold_start(r)
         rec = median(totals) if totals else None
         out[mode] = {"kill_to_first_step_s": rec, "cold_start_s": cold,
                      "ratio_vs_cold_start": round(rec / cold, 3) if rec and cold else None,

@@ -9,21 +9,17 @@ recovery paths; and the warm-up tiers (import only, full warm, off) one against 
 from __future__ import annotations
 
 from .stats import fmt_ratio, fmt_s, md_table, median
-from .targets import ARM_LABELS, _of_cold_start, _row
+from .targets import ARM_LABELS, _of_cold_start, _row, cold_start
 
 RECOVERY_RATIO = 1.0  # no recovery slower than its run's cold start (issue 27)
 REASON_CHARS = 160    # a decision's reason as shown (verbatim in results.json)
 PATHS = ("warm", "adopted", "import_only", "cold")  # attempt_started.path, warmest first
 
 
-def _cold(run: dict) -> float | None:
-    return (run.get("startup") or {}).get("total")
-
-
 def kill_rows(run: dict) -> list[dict]:
     """Each recovery of a run from a kill, against the run's cold start (launch -> first step
     of attempt 1), with the trigger that set the bench's kill off (None: a goodput schedule)."""
-    cold = _cold(run)
+    cold = cold_start(run)
     return [{"attempt": x.get("attempt"), "trigger": x.get("trigger"),
              "fallback": x.get("fallback"), "since_first_step_s": x.get("since_first_step_s"),
              "total_s": x.get("total"), "cold_start_s": cold,
@@ -48,7 +44,7 @@ def kills_summary(kills: dict) -> dict:
     """Per standby setting: each kill's row (kill_rows), the run's cold start, rc and paths."""
     runs = (kills or {}).get("runs") or {}
     return {"triggers": list((kills or {}).get("triggers") or []),
-            "runs": {mode: {"rows": kill_rows(r), "cold_start_s": _cold(r), "rc": r.get("rc"),
+            "runs": {mode: {"rows": kill_rows(r), "cold_start_s": cold_start(r), "rc": r.get("rc"),
                             "paths": r.get("recovery_paths") or [],
                             "decisions": r.get("standby_decisions") or [],
                             "standbys": r.get("standbys") or []}
@@ -180,7 +176,7 @@ def tiers_summary(tiers: dict) -> dict:
                      "steps_per_s_during": sb.get("steps_per_s_during"),
                      "steps_per_s_after": sb.get("steps_per_s_after"),
                      "slowdown": sb.get("slowdown"), "steps_per_s": r.get("steps_per_s"),
-                     "total_s": kill.get("total_s"), "cold_start_s": _cold(r),
+                     "total_s": kill.get("total_s"), "cold_start_s": cold_start(r),
                      "ratio": kill.get("ratio"), "path": kill.get("path"),
                      "fallback": kill.get("fallback"), "rc": r.get("rc")}
     return out

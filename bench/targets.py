@@ -51,6 +51,11 @@ ARM_LABELS = {"standby_auto": "orchestrator, standby: auto",
               "restart_loop": "Keras fit + BackupAndRestore in a shell loop"}
 
 
+def cold_start(run: dict) -> float | None:
+    """A run's cold start: launch -> first step of attempt 1."""
+    return (run.get("startup") or {}).get("total")
+
+
 def _of_cold_start(total: float | None, cold: float | None, minus: float = 0.0) -> float | None:
     return None if total is None or not cold else round((total - minus) / cold, 3)
 
@@ -65,7 +70,7 @@ def fault_recoveries(recovery: dict, hang_timeout_s: float | None,
     for mode, runs in (recovery.get("runs") or {}).items():
         for fault, kind in (recovery.get("kinds") or {}).items():
             minus = (hang_timeout_s or 0.0) if fault == "hang" else 0.0
-            xs = [(x, (r.get("startup") or {}).get("total")) for r in runs
+            xs = [(x, cold_start(r)) for r in runs
                   for x in r["recoveries"] if x.get("kind") == kind]
             totals = [x.get("total") for x, _ in xs]
             ratios = [_of_cold_start(x.get("total"), cold, minus) for x, cold in xs]
@@ -119,13 +124,13 @@ def goodput_summary(goodput: dict) -> dict:
             "adopted": median(sum(p == "adopted" for p in r.get("recovery_paths") or [])
                               for r in runs) if arm != LOOP_ARM else None,
             "kill_to_first_step_s": median(x["total"] for k in kills for x in k),
-            "kill_ratio": median(_of_cold_start(x["total"], (r.get("startup") or {}).get("total"))
+            "kill_ratio": median(_of_cold_start(x["total"], cold_start(r))
                                  for r, k in zip(runs, kills) for x in k),
             # each kill of the run is a repetition of the recovery: their min-max
             "kill_ratio_spread": spread(_of_cold_start(x["total"],
-                                                       (r.get("startup") or {}).get("total"))
+                                                       cold_start(r))
                                         for r, k in zip(runs, kills) for x in k),
-            "cold_start_s": median((r.get("startup") or {}).get("total") for r in runs),
+            "cold_start_s": median(cold_start(r) for r in runs),
             "steps_redone": median(breakdown.steps_redone(r["kills"]) for r in runs),
             "completed": all(r["rc"] == 0 for r in runs),
             "fingerprints": [r.get("fingerprint") for r in runs],
