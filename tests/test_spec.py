@@ -174,8 +174,9 @@ def test_exact_resume_keys_change_the_training_hash(write_job):
     ("learning_rate: my_job.rate", 17, "learning_rate", "expected 'module:function'"),
     ("learning_rate: 0.1", 17, "learning_rate", "expected a schedule mapping"),
     ("callbacks: early_stopping", 17, "callbacks", "expected a list"),
-    ("callbacks: [{early_stoping: {}}]", 17, "callbacks", "callbacks[0]: expected one of"),
-    ("callbacks: [{early_stopping: 3}]", 17, "callbacks", "expected a mapping of keyword"),
+    ("callbacks: [{early_stoping: {}}]", 17, "callbacks[0]", "expected one of early_stopping"),
+    ("callbacks: [{early_stopping: 3}]", 17, "callbacks[0]",
+     "early_stopping: expected a mapping of keyword"),
     ("callbacks: [my_job.make]", 17, "callbacks[0]", "expected 'module:function'"),
     ("checkpoint2: 1", 17, "checkpoint2", "unknown key"),
 ])
