@@ -11,12 +11,13 @@ import re
 from typing import Annotated, Any, Literal, Optional, Union, get_args
 
 from annotated_types import Ge, Gt
-from pydantic import (BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag,
-                      ValidationError, ValidationInfo, create_model, field_validator,
-                      model_validator)
-from pydantic_core import InitErrorDetails, PydanticCustomError
+from pydantic import (BeforeValidator, ConfigDict, Discriminator, Field, Tag, ValidationInfo,
+                      create_model, field_validator)
 
 from orchestrator.core.backends import BACKENDS
+from orchestrator.core.jobtypes import (  # noqa: F401 (FACTORY_RE: read from here too)
+    FACTORY_RE, TARGET, Boolean, Choice, Integer, Keywords, Number, OptionalText, Section,
+    Sha256, Strings, Target, Text, _checked, _form, _is_int, _is_number, _text, mistake)
 from orchestrator.core.kinds import ACTIONS, KINDS
 from orchestrator.core.standbymode import StandbyMode
 
@@ -27,103 +28,10 @@ STANDBY_MODES = StandbyMode.SETTINGS
 ENGINES = ("local", "ray")  # who places the workers of a multi-worker job
 DURABLE_SCHEMES = ("gs", "s3")  # object stores a durable checkpoint copy may go to
 DURABLE_CACHES = ("auto", "writeback", "none")
-FACTORY_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 # The module name of the functions ``orchestrator.run(model=fn, data=fn, ...)`` carries by value
 # (core/cellcode.py): ``__cell__:build_model`` is no importable module, it names a function in
 # the job's ``code`` file.
 CELL_MODULE = "__cell__"
-TARGET = "'module:function' (e.g. my_job:build_model)"
-
-# ---------------------------------------------------------------------------------------------
-# The values a key may hold, each with the message its mistake gets
-
-
-def mistake(expected: str, value: Any) -> PydanticCustomError:
-    """A validation error in our words: what was expected, and what the file held."""
-    return PydanticCustomError("job_file", "{expected}", {"expected": f"{expected}, got {value!r}"})
-
-
-def _checked(ok, expected: str, convert=lambda v: v, optional: bool = False):
-    def check(v):
-        if optional and v is None:
-            return v
-        if not ok(v):
-            raise mistake(expected, v)
-        return convert(v)
-    return BeforeValidator(check)
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def Integer(minimum: int | None = None, optional: bool = False):
-    t = int if minimum is None else Annotated[int, Ge(minimum)]
-    return Annotated[Optional[t] if optional else t, _checked(
-        lambda v: _is_int(v) and (minimum is None or v >= minimum),
-        "expected an integer" + ("" if minimum is None else f" >= {minimum}"), optional=optional)]
-
-
-def Number(minimum: float, optional: bool = False, above: bool = False):
-    t = Annotated[float, Gt(minimum) if above else Ge(minimum)]
-    expected = f"expected a positive number" if above and minimum == 0 else (
-        f"expected a number {'>' if above else '>='} {minimum}")
-    return Annotated[Optional[t] if optional else t, _checked(
-        lambda v: _is_number(v) and (v > minimum if above else v >= minimum), expected, float,
-        optional)]
-
-
-def Choice(values: tuple, optional: bool = False):
-    t = Literal[values]
-    return Annotated[Optional[t] if optional else t, _checked(
-        lambda v: isinstance(v, str) and v in values, f"expected one of {', '.join(values)}",
-        optional=optional)]
-
-
-def _text(expected: str, ok=lambda v: True, optional: bool = False, pattern: str | None = None):
-    t = Annotated[str, Field(min_length=1, pattern=pattern)]
-    return Annotated[Optional[t] if optional else t, _checked(
-        lambda v: isinstance(v, str) and bool(v.strip()) and ok(v), expected, optional=optional)]
-
-
-Text = _text("expected a non-empty string")
-OptionalText = _text("expected a non-empty string", optional=True)
-Boolean = Annotated[bool, _checked(lambda v: isinstance(v, bool), "expected true or false")]
-Target = _text(f"expected {TARGET}", FACTORY_RE.match, pattern=FACTORY_RE.pattern)
-Strings = Annotated[tuple[str, ...], _checked(
-    lambda v: isinstance(v, list) and all(isinstance(x, str) and x for x in v),
-    "expected a list of strings", tuple)]
-Keywords = Annotated[dict[str, Any], _checked(
-    lambda v: v is None or isinstance(v, dict), "expected a mapping of keyword arguments",
-    lambda v: dict(v or {}))]
-Sha256 = _text("expected 64 hexadecimal digits (a sha256)",
-               lambda v: re.fullmatch(r"[0-9a-f]{64}", v), pattern="^[0-9a-f]{64}$")
-
-
-class Section(BaseModel):
-    """A mapping of the job file: only its own keys, each of its own type."""
-
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
-
-    @model_validator(mode="wrap")
-    @classmethod
-    def _name_the_keys(cls, data, handler):
-        """An unknown key's message lists the keys this section allows."""
-        try:
-            return handler(data)
-        except ValidationError as exc:
-            allowed = ", ".join(sorted(cls.model_fields))
-            raise ValidationError.from_exception_data(exc.title, [InitErrorDetails(
-                type=PydanticCustomError(
-                    "unknown_key", "unknown key; expected one of: {allowed}", {"allowed": allowed})
-                if e["type"] == "extra_forbidden" and len(e["loc"]) == 1 else
-                PydanticCustomError(e["type"], "{msg}", {"msg": e["msg"]}),
-                loc=e["loc"], input=e["input"]) for e in exc.errors()]) from None
-
 
 def default(path: str):
     """The default of a dotted key (``restarts.backoff.max``): what a file that leaves it out
@@ -165,10 +73,6 @@ def _factory_form(v):
 
 FactoryField = Annotated[FactoryCall, BeforeValidator(
     _factory_form, json_schema_input_type=Union[Target, FactoryCall])]
-
-
-def _form(kinds, expected: str, ok=lambda v: True, optional: bool = False, convert=lambda v: v):
-    return _checked(lambda v: isinstance(v, kinds) and ok(v), expected, convert, optional)
 
 
 class Compile(Section):
@@ -227,7 +131,7 @@ class Checkpoint(Section):
     background: Boolean = Field(True, description=(
         "write checkpoints off the training thread; false: in line"))
     durable: Optional[Annotated[str, _checked(
-        _durable_url, f"expected a URL gs://BUCKET/PATH or s3://BUCKET/PATH")]] = Field(
+        _durable_url, "expected a URL gs://BUCKET/PATH or s3://BUCKET/PATH")]] = Field(
             None, description="an object store the durable copies also go to (gs:// or s3://)")
     durable_cache: Choice(DURABLE_CACHES) = Field("auto", description=(
         "how the durable tier caches its copies: auto | writeback | none"))
@@ -430,11 +334,14 @@ def _file_name(v) -> bool:
     return os.path.basename(v) == v and not v.startswith(".")
 
 
+FileName = _text("expected a file name next to the job file", _file_name)
+
+
 class Code(Section):
     """The functions of ``orchestrator.run(model=fn, ...)``, carried by value (cellcode.py);
     written by orchestrator.run into the frozen job, never by hand."""
 
-    file: _text("expected a file name next to the job file", _file_name) = Field(
+    file: FileName = Field(
         description="the cloudpickled functions, next to the job file")
     sha256: Sha256 = Field(description="the file's hash, checked before it is unpickled")
     fingerprint: Union[Sha256, Literal[""]] = Field("", description=(
@@ -451,13 +358,16 @@ Resources = Annotated[dict[str, Number(0, above=True)], Field(min_length=1), _ch
     "expected a mapping of Ray resource names to amounts, e.g. {CPU: 1, GPU: 1}")]
 
 
+Name = _text("expected letters, digits, '.', '_' or '-' only",
+             lambda v: re.match(r"^[\w.-]+$", v), pattern=r"^[\w.-]+$")
+
+
 class JobFile(Section):
     """A job: what to train, how long, and how to survive the runtime's failures."""
 
     model_config = ConfigDict(title="orchestrator job")
 
-    name: _text("expected letters, digits, '.', '_' or '-' only",
-                lambda v: re.match(r"^[\w.-]+$", v), pattern=r"^[\w.-]+$") = Field(
+    name: Name = Field(
         description="the run's name (its default run_dir is runs/<name>)")
     model: FactoryField = Field(description="module:function returning a keras.Model")
     data: FactoryField = Field(description=(
