@@ -10,6 +10,8 @@ a later Place) serve alike. The store (store.py) needs no more than this protoco
   (a filesystem: fsync, rename, fsync of the folder);
 - ``read_bytes(key)``, ``open_read(key)`` (a binary file object), ``exists(key)``,
   ``size(key)`` (None when absent);
+- ``touch(key)`` (a fresh modification time: a blob reused by a commit in flight is kept by
+  a concurrent collection, store.py; False when absent), ``mtime(key)`` (None when absent);
 - ``list(prefix)``: every key under a prefix, sorted, [] when there is none;
   ``children(prefix)``: the names directly under it (a folder's entries), sorted, [] when none;
   other errors (a lost mount) are raised, never taken for empty;
@@ -83,6 +85,19 @@ class LocalPlace:
         except FileNotFoundError:
             return None
 
+    def mtime(self, key: str) -> float | None:
+        try:
+            return os.path.getmtime(self.path(key))
+        except FileNotFoundError:
+            return None
+
+    def touch(self, key: str) -> bool:
+        try:
+            os.utime(self.path(key))
+        except FileNotFoundError:
+            return False
+        return True
+
     def stat_key(self, key: str) -> tuple | None:
         """(size, mtime, inode): unchanged means the bytes verified before are still there."""
         try:
@@ -94,7 +109,7 @@ class LocalPlace:
     def children(self, prefix: str = "") -> list[str]:
         try:
             return sorted(os.listdir(self.path(prefix)))
-        except (FileNotFoundError, NotADirectoryError):
+        except FileNotFoundError:
             return []
 
     def list(self, prefix: str = "") -> list[str]:
