@@ -127,8 +127,12 @@ class DurableMirror:
         """step -> a verified copy (local preferred), without touching the durable tier."""
         out = dict(self._durable_ok)
         for c in self.store.local.list():
-            if _identity(c) not in self._bad_local and self.store.local.verify(
-                    c.path, cached=True) is None:
+            if _identity(c) in self._bad_local:
+                # a recommit of the step wrote its bad blobs again: the same directory verifies
+                if self.store.local.verify(c.path) is not None:
+                    continue
+                self._bad_local.discard(_identity(c))
+            if self.store.local.verify(c.path, cached=True) is None:
                 out[c.step] = c
         return out
 

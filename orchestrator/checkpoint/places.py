@@ -10,8 +10,8 @@ a later Place) serve alike. The store (store.py) needs no more than this protoco
   (a filesystem: fsync, rename, fsync of the folder);
 - ``read_bytes(key)``, ``open_read(key)`` (a binary file object), ``exists(key)``,
   ``size(key)`` (None when absent);
-- ``touch(key)`` (a fresh modification time: a blob reused by a commit in flight is kept by
-  a concurrent collection, store.py; False when absent), ``mtime(key)`` (None when absent);
+- ``mtime(key)`` (seconds since the epoch, None when absent: a blob younger than a collection
+  is never collected);
 - ``list(prefix)``: every key under a prefix, sorted, [] when there is none;
   ``children(prefix)``: the names directly under it (a folder's entries), sorted, [] when none;
   other errors (a lost mount) are raised, never taken for empty;
@@ -90,13 +90,6 @@ class LocalPlace:
             return os.path.getmtime(self.path(key))
         except FileNotFoundError:
             return None
-
-    def touch(self, key: str) -> bool:
-        try:
-            os.utime(self.path(key))
-        except FileNotFoundError:
-            return False
-        return True
 
     def stat_key(self, key: str) -> tuple | None:
         """(size, mtime, inode): unchanged means the bytes verified before are still there."""

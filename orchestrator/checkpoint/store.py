@@ -15,8 +15,8 @@ matching marker is never taken for a checkpoint. Restore takes the newest checkp
 blobs and files match their checksums and falls back past the others, because a checkpoint
 that fails to load must never turn into a crash loop. Retention keeps the last K, one every N
 epochs and the best by a metric, counting only checkpoints that verify; then it deletes the
-blobs that no directory names (a commit in flight names its blobs before writing them, and
-touches a blob it reuses, so a concurrent collection never takes one from it). Format 1
+blobs that no directory names (a commit in flight names its blobs before writing or reusing
+them, so a concurrent collection never takes one from it). Format 1
 (``state.npz`` in ``files``, no ``arrays``) still verifies and restores. All file operations
 go through the tier's Place (places.py).
 """
@@ -47,7 +47,7 @@ MANIFEST = "manifest.json"
 STATE_FILE = "state.npz"  # format 1's one payload file
 COMMIT_MARKER = "COMMITTED"
 REFS = "refs"  # the blobs a checkpoint (or a commit in flight) names, one hash a line
-# a blob no directory names is deleted only once it has not been touched for this long: the
+# a blob no directory names is deleted only once it is older than this: the
 # margin between this host's clock and the storage's modification times
 BLOB_GRACE_S = 60.0
 _COMMITTED = re.compile(r"^\d{10}$")
@@ -106,6 +106,7 @@ class CheckpointStore:
         self.may_delete = may_delete
         self.blob_grace_s = blob_grace_s
         self._verified: dict[str, tuple] = {}  # path -> stat key of the files that verified
+        self._good: dict[str, tuple] = {}  # blob hash -> its stat key when it hashed right
         self.last_copy: dict = {}  # what commit_copy moved: bytes_uploaded, blobs_*
 
     # ---------------------------------------------------------------- write side
@@ -142,21 +143,56 @@ class CheckpointStore:
             f"{h}\n" for h in sorted(_unique_chunks(refs))).encode())
 
     def _write_blobs(self, arrays: dict, refs: dict) -> tuple[int, int]:
-        """Write each chunk this tier lacks; touch each it has. (bytes written, blobs reused)."""
+        """Write each chunk this tier lacks (or holds corrupt). (bytes written, blobs reused)."""
         written, reused, done = 0, 0, set()
         for k, a in arrays.items():
             for h, data in blobs.array_chunks(a, refs[k]):
                 if h in done:
                     continue
                 done.add(h)
-                key = blobs.blob_key(h)
-                if self.place.size(key) == len(data) and self.place.touch(key):
+                if self._reuse(h, len(data)):
                     reused += 1
                     continue
-                with self.place.open_write(key) as f:
+                with self.place.open_write(blobs.blob_key(h)) as f:
                     blobs.write_chunk(f, data)
+                self._vouch(h)
                 written += len(data)
         return written, reused
+
+    def _stat(self, h: str):
+        stat = getattr(self.place, "stat_key", None)
+        key = blobs.blob_key(h)
+        return stat(key) if stat else self.place.size(key)
+
+    def _vouch(self, h: str) -> None:
+        """This process wrote or hashed blob ``h``: trust it while its stat is unchanged."""
+        self._good[h] = (self._stat(h), time.time_ns())
+
+    def _vouched(self, h: str) -> bool:
+        """Vouched for, unchanged since, and not racily: a stat taken within a second of its
+        mtime could miss a change made in the same clock tick (git's "racily clean")."""
+        seen = self._good.get(h)
+        if seen is None or seen[0] is None or seen[0] != self._stat(h):
+            return False
+        stat, at = seen
+        return not isinstance(stat, tuple) or stat[1] < at - 1_000_000_000
+
+    def _reuse(self, h: str, n: int) -> bool:
+        """Blob ``h`` is here, whole and right: reuse it. One this process has not vouched for
+        is hashed first (a corrupt blob is written again, never reused into every later
+        checkpoint). The reference list written first keeps it from a collection."""
+        key = blobs.blob_key(h)
+        if self.place.size(key) != n:
+            return False
+        if not self._vouched(h):
+            try:
+                with self.place.open_read(key) as f:
+                    if blobs.hash_stream(f)[0] != h:
+                        return False
+            except FileNotFoundError:
+                return False
+            self._vouch(h)
+        return True
 
     def _recheck_blobs(self, arrays: dict, refs: dict) -> None:
         for k, a in arrays.items():
@@ -205,7 +241,7 @@ class CheckpointStore:
             self._write_refs(tmp, refs)
             for h, (n, _k) in _unique_chunks(refs).items():
                 key = blobs.blob_key(h)
-                if self.place.size(key) == n and self.place.touch(key):
+                if self._reuse(h, n):
                     facts["blobs_reused"] += 1
                     continue
                 self._copy_key(src, key, key)
@@ -298,25 +334,28 @@ class CheckpointStore:
         return named
 
     def collect_blobs(self) -> list[str]:
-        """Delete the blobs no directory names and nobody touched since this collection began
-        (less the grace): a commit in flight names its blobs before writing them and touches
-        those it reuses, so it never loses one. Returns the hashes deleted."""
+        """Delete the blobs no directory names, written before this collection began (less
+        the grace). A commit in flight names its blobs (``refs``) before it writes or reuses
+        any, the names are read again just before the deletions, and the commit checks its
+        blobs again before its rename: a concurrent commit never loses one. Returns the
+        hashes deleted."""
         began = time.time()
         named = self.named_blobs()
-        removed = []
+        unnamed = []
         for shard in self.place.children(blobs.BLOBS):
             for name in self.place.children(f"{blobs.BLOBS}/{shard}"):
                 key = f"{blobs.BLOBS}/{shard}/{name}"
                 if not blobs.is_blob_name(name):
                     _remove_if_dead_writer(self.place, key, name)
                     continue
-                if name in named:
-                    continue
                 mtime = self.place.mtime(key)
-                if mtime is None or mtime >= began - self.blob_grace_s:
-                    continue
-                self.place.delete(key)
-                removed.append(name)
+                if name not in named and mtime is not None and mtime < began - self.blob_grace_s:
+                    unnamed.append(name)
+        named = self.named_blobs()  # a commit that began meanwhile
+        removed = [h for h in unnamed if h not in named]
+        for h in removed:
+            self.place.delete(blobs.blob_key(h))
+            self._good.pop(h, None)
         return removed
 
     def remove_partial(self) -> list[str]:
@@ -350,6 +389,8 @@ class CheckpointStore:
         and inode. Otherwise (restore, the read-back of a durable copy) every blob is hashed
         again, or only those in ``rehash`` (the mirror: the blobs it just uploaded).
         """
+        if self._foreign(path):
+            return CheckpointStore(os.path.dirname(path)).verify(path, cached, rehash)
         key = os.path.basename(path)
         try:
             mbytes = self.place.read_bytes(f"{key}/{MANIFEST}")
@@ -383,6 +424,7 @@ class CheckpointStore:
                     with self.place.open_read(bkey) as f:
                         if blobs.hash_stream(f)[0] != h:
                             return f"{what}: checksum mismatch"
+                    self._vouch(h)
             except OSError as exc:
                 return f"{what}: {exc.strerror or exc}"
         return self._verify_files(path, key, manifest["files"], cached)
@@ -413,6 +455,8 @@ class CheckpointStore:
         """The arrays of the checkpoint at ``path``, each read straight into its own array and
         hashed in the same pass (BlobError names the blob and key that does not match). A
         format-1 checkpoint is read from its ``state.npz`` (never unpickling)."""
+        if self._foreign(path):
+            return CheckpointStore(os.path.dirname(path)).read_arrays(path)
         key = os.path.basename(path)
         manifest = json.loads(self.place.read_bytes(f"{key}/{MANIFEST}"))
         if "arrays" not in manifest:
@@ -429,6 +473,7 @@ class CheckpointStore:
             for h, n in r.chunks:
                 with self.place.open_read(blobs.blob_key(h)) as f:
                     blobs.read_chunk(f, mv[at:at + n], h, f"{path}: blob {h} of {k}")
+                self._vouch(h)
                 at += n
             out[k] = a
         return out
@@ -443,6 +488,12 @@ class CheckpointStore:
             if on_skip:
                 on_skip(c, reason)
         return None
+
+    def _foreign(self, path: str) -> bool:
+        """A path of another folder (a caller holding the other tier's copy): its blobs are
+        that folder's."""
+        return isinstance(self.place, LocalPlace) and os.path.normpath(
+            os.path.dirname(path)) != os.path.normpath(self.root)
 
     def _info(self, path: str) -> Checkpoint:
         try:
