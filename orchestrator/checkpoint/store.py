@@ -384,10 +384,12 @@ class CheckpointStore:
     def verify(self, path: str, cached: bool = False, rehash: set | None = None) -> str | None:
         """None when the checkpoint at ``path`` is complete and intact, else the reason.
 
-        ``cached`` (retention, listings): the manifest, the marker, each blob's existence and
-        size, and the files' checksums unless an earlier verification saw the same size, mtime
-        and inode. Otherwise (restore, the read-back of a durable copy) every blob is hashed
-        again, or only those in ``rehash`` (the mirror: the blobs it just uploaded).
+        ``cached`` (retention, listings, the mirror's passes): the manifest, the marker, each
+        blob's existence and size, and the hash of each blob (and file) this process has not
+        hashed before with the same size, mtime and inode: a frozen layer is hashed once per
+        process, a corrupt copy is still found. Otherwise (restore, the read-back of a durable
+        copy) every blob is hashed again, or only those in ``rehash`` (the mirror: the blobs it
+        just uploaded).
         """
         if self._foreign(path):
             return CheckpointStore(os.path.dirname(path)).verify(path, cached, rehash)
@@ -420,7 +422,7 @@ class CheckpointStore:
                     return f"{what}: missing"
                 if size != n:
                     return f"{what}: size {size} != {n}"
-                if not cached and (rehash is None or h in rehash):
+                if (not self._vouched(h)) if cached else (rehash is None or h in rehash):
                     with self.place.open_read(bkey) as f:
                         if blobs.hash_stream(f)[0] != h:
                             return f"{what}: checksum mismatch"
