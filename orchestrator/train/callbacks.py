@@ -14,7 +14,7 @@ import keras
 import numpy as np
 
 from orchestrator.train import holders, state
-from orchestrator.checkpoint import writer
+from orchestrator.checkpoint import blobs, writer
 from orchestrator.checkpoint.store import CheckpointStore
 from orchestrator.checkpoint.writer import CheckpointWriter
 from orchestrator.core.heartbeat import HeartbeatWriter, Phase, Position
@@ -382,9 +382,10 @@ class CheckpointCallback(keras.callbacks.Callback):
             return
 
         def write():  # in the writer's thread: nothing here reads the live model
-            manifest["weights_sha256"], manifest["state_sha256"] = snapshot.fingerprints(arrays)
-            c = store.commit(step, lambda d: state.save_arrays(d, arrays, extra), manifest,
-                             keep=keep)
+            everything = {**arrays, **extra}
+            refs = blobs.hash_arrays(everything)  # once: the blobs' names and the fingerprints
+            manifest["weights_sha256"], manifest["state_sha256"] = snapshot.fingerprints(refs)
+            c = store.commit(step, None, manifest, keep=keep, arrays=everything, refs=refs)
             if on_commit is not None:
                 on_commit(c)
 
