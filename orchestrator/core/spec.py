@@ -24,6 +24,8 @@ BUILTIN_CALLBACKS = ("early_stopping", "reduce_lr_on_plateau", "terminate_on_nan
 STANDBY_MODES = StandbyMode.SETTINGS
 ENGINES = ("local", "ray")  # who places the workers of a multi-worker job
 _FACTORY_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+# checkpoint.durable as a bucket: URL scheme -> (the fsspec library, the extra installing it)
+OBJECT_STORES = {"gs": ("gcsfs", "gcs"), "s3": ("s3fs", "s3")}
 # The module name of the functions ``orchestrator.run(model=fn, data=fn, ...)`` carries by value
 # (core/cellcode.py): ``__cell__:build_model`` is no importable module, it names a function in
 # the job's ``code`` file.
@@ -82,6 +84,7 @@ class CheckpointSpec:
     keep_best: str | None = None           # also keep the best by this metric (e.g. val_loss)
     keep_best_mode: str = "min"
     local_dir: str = ""                    # the fast tier; "" until load() fills the default
+    durable: str | None = None             # a bucket (gs://, s3://) instead of <run_dir>/checkpoints
     remount: str | None = None             # "colab" or module:function, called with the dir
     flush_timeout: float = 600.0           # how long the end of a run waits for durable copies
     upload_backoff_initial: float = 1.0
@@ -92,6 +95,20 @@ class CheckpointSpec:
     @property
     def retention(self) -> Retention:
         return Retention(self.keep, self.keep_every_epochs, self.keep_best, self.keep_best_mode)
+
+
+def object_store_problem(url: str) -> str | None:
+    """What is wrong with ``url`` as a bucket tier (an unknown scheme, its library missing),
+    or None."""
+    import importlib.util
+
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme not in OBJECT_STORES or not rest.strip("/"):
+        return f"expected gs://bucket/prefix or s3://bucket/prefix, got {url!r}"
+    library, extra = OBJECT_STORES[scheme]
+    if importlib.util.find_spec(library) is None:
+        return f"{url!r} needs {library}: pip install 'orchestrator[{extra}]'"
+    return None
 
 
 @dataclass(frozen=True)

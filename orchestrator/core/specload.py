@@ -24,7 +24,7 @@ from orchestrator.core.spec import (_FACTORY_RE, BUILTIN_CALLBACKS, CELL_MODULE,
                                     CheckpointSpec, CodeSpec, CompileSpec, CrashLoopSpec,
                                     JobSpec, LearningRateSpec, RecoverySpec, RestartSpec, Rung,
                                     SCHEDULE_PARAMS, CosineParams, SpecError, StepDecayParams,
-                                    TensorBoardSpec)
+                                    TensorBoardSpec, object_store_problem)
 
 # --------------------------------------------------------------------------------------------
 # YAML with line numbers
@@ -64,8 +64,6 @@ _TB, _CM = TensorBoardSpec(), CompileSpec()
 _SD, _CO = StepDecayParams(), CosineParams()
 _JOB = {f.name: f.default for f in dataclasses.fields(JobSpec)
         if f.default is not dataclasses.MISSING}
-
-
 # job_path and job_dir say where the job file is, not what it says: load fills them.
 TOP_KEYS = keys(JobSpec, internal=("job_path", "job_dir"))
 RECOVERY_KEYS = keys(RecoverySpec, nested=("wait",))
@@ -193,7 +191,6 @@ def _callbacks(r: Reader, v) -> tuple:
                    f"got {args!r}")
         out.append(CallbackSpec(name=name, args=dict(args or {})))
     return tuple(out)
-
 
 
 def _off_is_a_word(data: dict, key: str) -> dict:
@@ -407,10 +404,11 @@ def _checkpoint_spec(r: Reader, c, name: str, run_dir: str) -> CheckpointSpec:
     remount = r.string(c, "remount", "checkpoint.remount", None)
     if remount is not None and remount != "colab" and not _FACTORY_RE.match(remount):
         r.fail("checkpoint.remount", f"expected 'colab' or 'module:function', got {remount!r}")
-    b = {}
-    if "upload_backoff" in c:
-        b = r.mapping(c["upload_backoff"], "checkpoint.upload_backoff",
-                      subkeys(CheckpointSpec, "upload_backoff"))
+    durable = r.string(c, "durable", "checkpoint.durable", None)
+    if durable and (problem := object_store_problem(durable)):
+        durable = r.note("checkpoint.durable", problem)
+    b = (r.mapping(c["upload_backoff"], "checkpoint.upload_backoff",
+                   subkeys(CheckpointSpec, "upload_backoff")) if "upload_backoff" in c else {})
     return CheckpointSpec(
         every_epochs=r.integer(c, "every_epochs", "checkpoint.every_epochs", _CK.every_epochs, 1),
         keep=r.integer(c, "keep", "checkpoint.keep", _CK.keep, 1),
@@ -422,6 +420,7 @@ def _checkpoint_spec(r: Reader, c, name: str, run_dir: str) -> CheckpointSpec:
         keep_best=best,
         keep_best_mode=mode,
         local_dir=local,
+        durable=durable,
         remount=remount,
         flush_timeout=r.number(c, "flush_timeout", "checkpoint.flush_timeout", _CK.flush_timeout, 0),
         upload_backoff_initial=r.number(b, "initial", "checkpoint.upload_backoff.initial",
