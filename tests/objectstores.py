@@ -65,7 +65,11 @@ class GcsEmulator:
         self.proc = None
 
     def env(self) -> dict:
-        return {"STORAGE_EMULATOR_HOST": self.endpoint, "FSSPEC_GCS_TOKEN": "anon"}
+        """The emulator's address, no credentials, and gcsfs's plain client: its default one
+        first asks the bucket's layout over gRPC, which the emulator does not serve (a 60 s
+        timeout per call); read when gcsfs is first imported."""
+        return {"STORAGE_EMULATOR_HOST": self.endpoint, "FSSPEC_GCS_TOKEN": "anon",
+                "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
 
     def options(self) -> dict:
         return {"token": "anon", "endpoint_url": self.endpoint}

@@ -1,0 +1,141 @@
+"""The bucket tier (checkpoint/objectstore.py) against real servers on loopback: the GCS
+emulator and moto's S3. A write counts only once the server acknowledged our checksum, a read
+refuses bytes the server's checksum does not match, and an outage of the server surfaces as
+the OSError the durable mirror retries."""
+import errno
+import os
+import threading
+import time
+
+import pytest
+from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_exponential
+
+from objectstores import BUCKET, GcsEmulator, MotoS3
+from orchestrator.checkpoint import objectstore
+from orchestrator.checkpoint.objectstore import FsspecPlace
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(params=["gs", "s3"])
+def server(request, tmp_path, monkeypatch):
+    if request.param == "gs":
+        srv = GcsEmulator(str(tmp_path / "gcs")).start()
+    else:
+        srv = MotoS3().start()
+        srv.create_bucket()
+    for k, v in srv.env().items():
+        monkeypatch.setenv(k, v)
+    yield srv
+    srv.stop()
+
+
+def place_on(srv, prefix="run") -> FsspecPlace:
+    return FsspecPlace(f"{srv.scheme}://{BUCKET}/{prefix}", **srv.options())
+
+
+def random_file(tmp_path, size: int, name="blob") -> tuple[str, bytes]:
+    data = os.urandom(size)
+    path = tmp_path / name
+    path.write_bytes(data)
+    return str(path), data
+
+
+def test_blobs_and_manifests_round_trip(server, tmp_path, monkeypatch):
+    """A blob (a file, in parts on S3: 3 parts of 5 MiB) and a manifest (bytes) go up, list,
+    and come back byte for byte through both reads; delete_prefix leaves nothing."""
+    import xxhash
+
+    monkeypatch.setattr(objectstore, "S3_PART", 5 * 2**20)
+    place = place_on(server)
+    path, blob = random_file(tmp_path, 12 * 2**20 + 7)
+    name = xxhash.xxh3_128_hexdigest(blob)
+    place.write_file(f"blobs/{name[:2]}/{name}", path)
+    place.write_bytes("0000000040/manifest.json", b'{"step": 40}')
+    assert place.list() == sorted([f"blobs/{name[:2]}/{name}", "0000000040/manifest.json"])
+    assert place.children() == ["0000000040", "blobs"]
+    assert place.size(f"blobs/{name[:2]}/{name}") == len(blob) and place.size("nope") is None
+    assert place.read_bytes(f"blobs/{name[:2]}/{name}", expect_xxh3=name) == blob
+    with place.open_read(f"blobs/{name[:2]}/{name}") as f:
+        assert f.read() == blob
+    assert place.read_bytes("0000000040/manifest.json") == b'{"step": 40}'
+    if server.scheme == "s3":
+        assert place._server_checksum(place._info(f"blobs/{name[:2]}/{name}")).endswith("-3")
+    place.delete_prefix("blobs")
+    assert place.list() == ["0000000040/manifest.json"] and place.list("blobs") == []
+
+
+def test_a_write_the_server_acknowledges_with_another_checksum_is_refused(server, tmp_path):
+    """The bytes that reached the server are not the ones we hashed (changed on the way): the
+    write raises EIO naming the key and both checksums, and the object is gone."""
+    place = place_on(server)
+    path, blob = random_file(tmp_path, 1 << 20)
+    real_put = place.fs.put_file
+
+    def put_changed_bytes(lpath, rpath, **kw):
+        bad = tmp_path / "in-transit"
+        bad.write_bytes(blob[:-1] + bytes([blob[-1] ^ 0xFF]))
+        return real_put(str(bad), rpath, **kw)
+
+    place.fs.put_file = put_changed_bytes
+    with pytest.raises(OSError) as e:
+        place.write_file("blobs/aa/x", path)
+    assert e.value.errno == errno.EIO
+    assert "write of blobs/aa/x" in str(e.value) and "checksum mismatch" in str(e.value)
+    assert not place.exists("blobs/aa/x")
+
+
+def test_bytes_changed_in_the_servers_storage_are_refused_on_read(server, tmp_path,
+                                                                   monkeypatch):
+    """The server keeps the checksum it acknowledged; the bytes behind it change. botocore
+    (>= 1.36) also checks the CRC32 it sent with the upload: switched off here, so that what
+    refuses the bytes is our own check (older clients, servers without that checksum)."""
+    monkeypatch.setenv("AWS_RESPONSE_CHECKSUM_VALIDATION", "when_required")
+    place = place_on(server)
+    path, blob = random_file(tmp_path, 256 * 1024)
+    place.write_file("blobs/bb/y", path)
+    server.overwrite_stored("run/blobs/bb/y", blob[:100] + bytes([blob[100] ^ 1]) + blob[101:])
+    with pytest.raises(OSError) as e:
+        place.read_bytes("blobs/bb/y")
+    assert e.value.errno == errno.EIO and "read of blobs/bb/y" in str(e.value)
+    with pytest.raises(OSError, match="read of blobs/bb/y: checksum mismatch"):
+        place.open_read("blobs/bb/y")
+
+
+def test_a_server_stopped_for_10_s_is_an_outage_a_retried_write_loop_survives(server, tmp_path):
+    """Writes go on while the server is down for 10 s, under the mirror's retry policy (retry
+    on OSError, exponential backoff): every object written reads back afterwards. On S3 the
+    outage surfaces as OSError (gcsfs retries a refused connection itself for ~30 s, so on GCS
+    a write may just take longer)."""
+    place = place_on(server)
+    place.write_bytes("warm", b"up")
+    failures, written = [], {}
+    down_for = 10.0
+
+    def outage():
+        server.stop()
+        time.sleep(down_for)
+        server.start()
+
+    retrying = Retrying(retry=retry_if_exception_type(OSError),
+                        wait=wait_exponential(multiplier=0.2, max=2), stop=stop_after_delay(90),
+                        before_sleep=lambda rs: failures.append(rs.outcome.exception()),
+                        reraise=True)
+    t0 = time.monotonic()
+    stopper = threading.Thread(target=outage)
+    stopper.start()
+    i = 0
+    while time.monotonic() - t0 < down_for + 3 or stopper.is_alive():
+        data = os.urandom(1024 + i)
+        for attempt in retrying:
+            with attempt:
+                place.write_bytes(f"loop/{i:04d}", data)
+        written[f"loop/{i:04d}"] = data
+        i += 1
+        time.sleep(0.2)
+    stopper.join()
+    assert all(isinstance(f, OSError) for f in failures)
+    if server.scheme == "s3":
+        assert failures, "the outage never surfaced as an OSError"
+    assert place.list("loop") == sorted(written)
+    assert all(place.read_bytes(k) == v for k, v in written.items())
