@@ -61,6 +61,11 @@ def test_blobs_and_manifests_round_trip(server, tmp_path, monkeypatch):
     assert place.read_bytes("0000000040/manifest.json") == b'{"step": 40}'
     if server.scheme == "s3":
         assert place._server_checksum(place._info(f"blobs/{name[:2]}/{name}")).endswith("-3")
+    key = f"blobs/{name[:2]}/{name}"
+    before = place.mtime(key)
+    time.sleep(1.1)  # S3's LastModified has whole seconds
+    assert place.touch(key) and place.mtime(key) > before and not place.touch("blobs/zz/none")
+    assert place.read_bytes(key, expect_xxh3=name) == blob  # a touched object still verifies
     place.delete_prefix("blobs")
     assert place.list() == ["0000000040/manifest.json"] and place.list("blobs") == []
 

@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import datetime
 import errno
 import hashlib
 import importlib
 import math
 import os
 import tempfile
+import time
 from typing import BinaryIO, Iterator
 
 from orchestrator.core.spec import OBJECT_STORES, object_store_problem
@@ -33,6 +35,7 @@ SIMPLE_MAX = 5 * 2**20       # below this, bytes go up in one request on both se
 S3_PART = 50 * 2**20         # s3fs's default part size (ours, passed explicitly)
 S3_MAX_PARTS = 10_000
 S3_SINGLE_MAX = 5 * 2**30    # S3's largest single PUT
+TOUCHED = "orchestrator_touched"  # the object's metadata key a touch sets
 _LIBRARY_ERRORS = ("gcsfs", "s3fs", "fsspec", "botocore", "aiobotocore", "aiohttp", "google",
                    "requests", "urllib3")
 
@@ -135,7 +138,7 @@ class FsspecPlace:
             data = self.fs.cat_file(self.path(key))
         digest = self._new_digest(len(data))
         digest.update(data)
-        self._check_read(key, info, digest.hexdigest())
+        self._check_read(key, info, digest)
         if expect_xxh3 is not None:
             got = importlib.import_module("xxhash").xxh3_128_hexdigest(data)
             if got != expect_xxh3:
@@ -158,17 +161,17 @@ class FsspecPlace:
         for block in iter(lambda: f.read(CHUNK), b""):
             digest.update(block)
         try:
-            self._check_read(key, info, digest.hexdigest())
+            self._check_read(key, info, digest)
         except OSError:
             f.close()
             raise
         f.seek(0)
         return f
 
-    def _check_read(self, key: str, info: dict, ours: str) -> None:
+    def _check_read(self, key: str, info: dict, digest) -> None:
         theirs = self._server_checksum(info)
-        if theirs is not None and theirs != ours:
-            raise ChecksumMismatch(self.url, f"read of {key}", ours, theirs)
+        if theirs is not None and not digest.matches(theirs):
+            raise ChecksumMismatch(self.url, f"read of {key}", digest.hexdigest(), theirs)
 
     def exists(self, key: str) -> bool:
         with _as_oserror(self.url, key):
@@ -179,6 +182,31 @@ class FsspecPlace:
             return int(self._info(key)["size"])
         except FileNotFoundError:
             return None
+
+    def mtime(self, key: str) -> float | None:
+        """When the object was last written or touched (the server's clock)."""
+        try:
+            info = self._info(key)
+        except FileNotFoundError:
+            return None
+        when = info.get("updated") or info.get("LastModified")
+        if isinstance(when, str):
+            when = datetime.datetime.fromisoformat(when.replace("Z", "+00:00"))
+        touched = (info.get("metadata") or {}).get(TOUCHED)  # where the server's time lags
+        times = [t for t in (when.timestamp() if when else None,
+                             float(touched) if touched else None) if t is not None]
+        return max(times) if times else None
+
+    def touch(self, key: str) -> bool:
+        """Renew the object's modification time (a metadata update: a server-side copy on
+        S3), so a blob reused by a commit in flight is not collected; False if absent."""
+        try:
+            with _as_oserror(self.url, key):
+                set_metadata = getattr(self.fs, "setxattrs", None) or self.fs.setxattr
+                set_metadata(self.path(key), **{TOUCHED: f"{time.time():.3f}"})
+        except FileNotFoundError:
+            return False
+        return True
 
     def stat_key(self, key: str) -> tuple | None:
         """(size, the server's checksum, its version): unchanged means the same bytes."""
@@ -238,10 +266,14 @@ class _Crc32c:
     def hexdigest(self) -> str:
         return base64.b64encode(self._c.digest()).decode()
 
+    def matches(self, crc32c: str) -> bool:
+        return crc32c == self.hexdigest()
+
 
 class _S3ETag:
     """S3's ETag of an object we upload: the MD5 of a single-part one, else the MD5 of the
-    parts' MD5s and ``-N`` (the part size is ours, given to s3fs)."""
+    parts' MD5s and ``-N`` (the part size is ours, given to s3fs). Both forms are kept: a copy
+    on the server (a touch) may turn a multipart object into a single-part one."""
 
     def __init__(self, size: int):
         self.part = max(S3_PART, math.ceil(size / S3_MAX_PARTS))
@@ -250,9 +282,7 @@ class _S3ETag:
         self._cur, self._cur_n = hashlib.md5(), 0
 
     def update(self, data: bytes) -> None:
-        if self.single:
-            self._whole.update(data)
-            return
+        self._whole.update(data)
         view = memoryview(data)
         while view:
             take = view[:self.part - self._cur_n]
@@ -263,11 +293,15 @@ class _S3ETag:
                 self._parts.append(self._cur.digest())
                 self._cur, self._cur_n = hashlib.md5(), 0
 
-    def hexdigest(self) -> str:
-        if self.single:
-            return self._whole.hexdigest()
+    def _multipart(self) -> str:
         parts = self._parts + ([self._cur.digest()] if self._cur_n else [])
         return f"{hashlib.md5(b''.join(parts)).hexdigest()}-{len(parts)}"
+
+    def hexdigest(self) -> str:
+        return self._whole.hexdigest() if self.single else self._multipart()
+
+    def matches(self, etag: str) -> bool:
+        return etag == (self._multipart() if "-" in etag else self._whole.hexdigest())
 
 
 @contextlib.contextmanager
