@@ -194,6 +194,6 @@ def test_kill_at_checkpoint_dies_after_the_payload_and_before_the_rename(tmp_pat
     store = CheckpointStore(str(tmp_path / "ck"))
     assert [c.step for c in store.list()] == [1]
     tmp = [d for d in os.listdir(tmp_path / "ck") if d.startswith(".tmp-0000000002")]
-    assert len(tmp) == 1 and os.listdir(tmp_path / "ck" / tmp[0]) == ["state.npz"]
+    assert len(tmp) == 1 and sorted(os.listdir(tmp_path / "ck" / tmp[0])) == ["refs", "state.npz"]
     record = json.loads((tmp_path / "faults" / "kill_checkpoint_2.json").read_text())
     assert record["step"] == 2 and record["tmp"].endswith(tmp[0])
