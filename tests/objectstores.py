@@ -115,7 +115,8 @@ class MotoS3:
         self.server = None
 
     def env(self) -> dict:
-        return {"FSSPEC_S3_ENDPOINT_URL": self.endpoint, **self.CREDENTIALS}
+        return {"AWS_ENDPOINT_URL": self.endpoint, "FSSPEC_S3_ENDPOINT_URL": self.endpoint,
+                **self.CREDENTIALS}
 
     def options(self) -> dict:
         return {"endpoint_url": self.endpoint, "key": "testing", "secret": "testing"}

@@ -144,3 +144,28 @@ def test_a_server_stopped_for_10_s_is_an_outage_a_retried_write_loop_survives(se
         assert failures, "the outage never surfaced as an OSError"
     assert place.list("loop") == sorted(written)
     assert all(place.read_bytes(k) == v for k, v in written.items())
+
+
+def test_a_checkpoint_whose_blob_changed_in_the_bucket_is_skipped_for_the_previous_one(
+        server, tmp_path, monkeypatch):
+    """The store on a bucket (tiers.durable_store): the newest checkpoint's blob is changed in
+    the server's storage; a restore skips it, naming the blob, and takes the one before."""
+    from ckarrays import blob_hash, commit
+    from orchestrator.checkpoint import blobs, tiers
+
+    monkeypatch.setenv("AWS_RESPONSE_CHECKSUM_VALIDATION", "when_required")  # as above
+    url = f"{server.scheme}://{BUCKET}/run"
+    monkeypatch.setattr(tiers, "FsspecPlace", lambda u: FsspecPlace(u, **server.options()))
+    store = tiers.durable_store(url)
+    older = commit(store, 10, "older weights ", repeat=500)
+    newer = commit(store, 20, "newer weights ", repeat=500)
+    assert [c.step for c in store.list()] == [10, 20] and newer.path == f"{url}/0000000020"
+    assert store.verify(newer.path) is None
+    key = blobs.blob_key(blob_hash(newer))
+    stored = store.place.read_bytes(key)
+    server.overwrite_stored(f"run/{key}", bytes([stored[0] ^ 1]) + stored[1:])
+    skipped = []
+    latest = store.latest_valid(on_skip=lambda c, why: skipped.append((c.step, why)))
+    assert latest is not None and latest.step == older.step
+    assert skipped and skipped[0][0] == 20 and blob_hash(newer) in skipped[0][1], skipped
+    assert store.read_arrays(latest.path)["model.0000"].tobytes() == b"older weights " * 500
