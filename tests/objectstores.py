@@ -54,6 +54,9 @@ class GcsEmulator:
         _wait_answering(f"{self.endpoint}/storage/v1/b", proc=self.proc)
         return self
 
+    def close(self) -> None:
+        self.stop()
+
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
@@ -113,6 +116,13 @@ class MotoS3:
         if self.server is not None:
             self.server.stop()
         self.server = None
+
+    def close(self) -> None:
+        """Stop, and forget every bucket: moto's backend is this process's, and the next
+        test's server must start empty."""
+        urllib.request.urlopen(urllib.request.Request(f"{self.endpoint}/moto-api/reset",
+                                                      method="POST"), timeout=10).close()
+        self.stop()
 
     def env(self) -> dict:
         return {"AWS_ENDPOINT_URL": self.endpoint, "FSSPEC_S3_ENDPOINT_URL": self.endpoint,

@@ -27,7 +27,7 @@ def bucket_server(request, tmp_path):
         srv = MotoS3().start()
         srv.create_bucket()
     yield srv
-    srv.stop()
+    srv.close()
 
 
 def _wait_durable(journal, after_step, timeout=120):

@@ -27,7 +27,7 @@ def server(request, tmp_path, monkeypatch):
     for k, v in srv.env().items():
         monkeypatch.setenv(k, v)
     yield srv
-    srv.stop()
+    srv.close()
 
 
 def place_on(srv, prefix="run") -> FsspecPlace:
@@ -62,9 +62,11 @@ def test_blobs_and_manifests_round_trip(server, tmp_path, monkeypatch):
     if server.scheme == "s3":
         assert place._server_checksum(place._info(f"blobs/{name[:2]}/{name}")).endswith("-3")
     key = f"blobs/{name[:2]}/{name}"
-    before = place.mtime(key)
+    before, stat = place.mtime(key), place.stat_key(key)
+    assert stat == place.stat_key(key) and stat[0] == len(blob) and isinstance(stat[1], int)
     time.sleep(1.1)  # S3's LastModified has whole seconds
     assert place.touch(key) and place.mtime(key) > before and not place.touch("blobs/zz/none")
+    assert place.stat_key(key) != stat and place.stat_key("blobs/zz/none") is None
     assert place.read_bytes(key, expect_xxh3=name) == blob  # a touched object still verifies
     place.delete_prefix("blobs")
     assert place.list() == ["0000000040/manifest.json"] and place.list("blobs") == []
@@ -169,3 +171,32 @@ def test_a_checkpoint_whose_blob_changed_in_the_bucket_is_skipped_for_the_previo
     assert latest is not None and latest.step == older.step
     assert skipped and skipped[0][0] == 20 and blob_hash(newer) in skipped[0][1], skipped
     assert store.read_arrays(latest.path)["model.0000"].tobytes() == b"older weights " * 500
+
+
+def test_the_mirror_copies_checkpoints_to_the_bucket_reusing_the_blobs_it_has(
+        server, tmp_path, monkeypatch):
+    """The durable mirror over a bucket: three local checkpoints sharing most blobs go up,
+    each read back and verified; the later ones upload only the blobs the bucket lacks."""
+    import numpy as np
+
+    from orchestrator.checkpoint import tiers
+    from orchestrator.checkpoint.mirror import DurableMirror
+    from orchestrator.core.journal import Journal
+    from orchestrator.core.retention import Retention
+
+    monkeypatch.setattr(tiers, "FsspecPlace", lambda u: FsspecPlace(u, **server.options()))
+    store = tiers.TieredStore(str(tmp_path / "local"), f"{server.scheme}://{BUCKET}/run")
+    frozen = {f"frozen{i}": np.full(256, i, dtype=np.float32) for i in range(8)}
+    for step in (10, 20, 30):
+        store.commit(step, None, {"epoch": 0},
+                     arrays={**frozen, "head": np.full(64, step, dtype=np.float32)})
+    journal = Journal(str(tmp_path / "events.jsonl"))
+    mirror = DurableMirror(store, journal, Retention(keep=3), backoff_initial=0.1,
+                           backoff_max=0.5)
+    assert mirror._pass() == []
+    copies = {e["step"]: e for e in journal.events() if e["event"] == "checkpoint_durable"}
+    assert sorted(copies) == [10, 20, 30]
+    assert all(e["path"].startswith(f"{server.scheme}://{BUCKET}/run/") for e in copies.values())
+    assert sorted(e["blobs_uploaded"] for e in copies.values()) == [1, 1, 9]
+    assert [c.step for c in store.durable.list()] == [10, 20, 30]
+    assert all(store.durable.verify(c.path) is None for c in store.durable.list())

@@ -186,16 +186,19 @@ class FsspecPlace:
     def mtime(self, key: str) -> float | None:
         """When the object was last written or touched (the server's clock)."""
         try:
-            info = self._info(key)
+            return self._mtime(self._info(key))
         except FileNotFoundError:
             return None
+
+    @staticmethod
+    def _mtime(info: dict) -> float:
         when = info.get("updated") or info.get("LastModified")
         if isinstance(when, str):
             when = datetime.datetime.fromisoformat(when.replace("Z", "+00:00"))
         touched = (info.get("metadata") or {}).get(TOUCHED)  # where the server's time lags
         times = [t for t in (when.timestamp() if when else None,
                              float(touched) if touched else None) if t is not None]
-        return max(times) if times else None
+        return max(times) if times else 0.0
 
     def touch(self, key: str) -> bool:
         """Renew the object's modification time (a metadata update: a server-side copy on
@@ -209,13 +212,14 @@ class FsspecPlace:
         return True
 
     def stat_key(self, key: str) -> tuple | None:
-        """(size, the server's checksum, its version): unchanged means the same bytes."""
+        """(size, mtime in ns, the server's checksum and version), as a folder's (size,
+        mtime_ns, inode): unchanged means the same bytes."""
         try:
             info = self._info(key)
         except FileNotFoundError:
             return None
-        return (int(info["size"]), self._server_checksum(info),
-                str(info.get("generation") or info.get("LastModified")))
+        return (int(info["size"]), int(self._mtime(info) * 1e9),
+                f"{self._server_checksum(info)}@{info.get('generation') or ''}")
 
     def list(self, prefix: str = "") -> list[str]:
         with _as_oserror(self.url, prefix):
