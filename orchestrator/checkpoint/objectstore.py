@@ -75,8 +75,13 @@ class FsspecPlace:
         return path[len(self.root) + 1:] if path.startswith(self.root + "/") else path
 
     # ---------------------------------------------------------------- checksums
-    def _new_digest(self, size: int) -> "_Crc32c | _S3ETag":
-        return _Crc32c() if self.scheme == "gs" else _S3ETag(size)
+    def _new_digest(self, size: int, info: dict | None = None) -> "_Crc32c | _S3ETag":
+        """The checksum of ``size`` bytes in the server's form: for a read, the form of the
+        object's own (``info``: an S3 ETag with ``-N`` is a multipart one)."""
+        if self.scheme == "gs":
+            return _Crc32c()
+        theirs = self._server_checksum(info) if info else None
+        return _S3ETag(size, multipart=None if theirs is None else "-" in theirs)
 
     def _server_checksum(self, info: dict) -> str | None:
         """The checksum the server keeps for an object, in ``_new_digest``'s form."""
@@ -136,7 +141,7 @@ class FsspecPlace:
         info = self._info(key)
         with _as_oserror(self.url, key):
             data = self.fs.cat_file(self.path(key))
-        digest = self._new_digest(len(data))
+        digest = self._new_digest(len(data), info)
         digest.update(data)
         self._check_read(key, info, digest)
         if expect_xxh3 is not None:
@@ -157,7 +162,7 @@ class FsspecPlace:
             f = open(tmp, "rb")
         finally:
             os.unlink(tmp)
-        digest = self._new_digest(os.fstat(f.fileno()).st_size)
+        digest = self._new_digest(os.fstat(f.fileno()).st_size, info)
         for block in iter(lambda: f.read(CHUNK), b""):
             digest.update(block)
         try:
@@ -275,37 +280,39 @@ class _Crc32c:
 
 
 class _S3ETag:
-    """S3's ETag of an object we upload: the MD5 of a single-part one, else the MD5 of the
-    parts' MD5s and ``-N`` (the part size is ours, given to s3fs). Both forms are kept: a copy
-    on the server (a touch) may turn a multipart object into a single-part one."""
+    """S3's ETag: the MD5 of a single-part object, else the MD5 of the parts' MD5s and ``-N``
+    (the part size is ours, given to s3fs). ``multipart``: which form to compute (a read
+    takes the object's: a copy on the server, a touch, may have made a multipart object a
+    single-part one); by default the form our upload of ``size`` bytes takes."""
 
-    def __init__(self, size: int):
+    def __init__(self, size: int, multipart: bool | None = None):
         self.part = max(S3_PART, math.ceil(size / S3_MAX_PARTS))
-        self.single = size < min(S3_SINGLE_MAX, 2 * self.part)
-        self._whole, self._parts = hashlib.md5(), []
-        self._cur, self._cur_n = hashlib.md5(), 0
+        single = size < min(S3_SINGLE_MAX, 2 * self.part)
+        self.multipart = not single if multipart is None else multipart
+        self._md5, self._parts, self._n = hashlib.md5(), [], 0
 
     def update(self, data: bytes) -> None:
-        self._whole.update(data)
+        if not self.multipart:
+            self._md5.update(data)
+            return
         view = memoryview(data)
         while view:
-            take = view[:self.part - self._cur_n]
-            self._cur.update(take)
-            self._cur_n += len(take)
+            take = view[:self.part - self._n]
+            self._md5.update(take)
+            self._n += len(take)
             view = view[len(take):]
-            if self._cur_n == self.part:
-                self._parts.append(self._cur.digest())
-                self._cur, self._cur_n = hashlib.md5(), 0
-
-    def _multipart(self) -> str:
-        parts = self._parts + ([self._cur.digest()] if self._cur_n else [])
-        return f"{hashlib.md5(b''.join(parts)).hexdigest()}-{len(parts)}"
+            if self._n == self.part:
+                self._parts.append(self._md5.digest())
+                self._md5, self._n = hashlib.md5(), 0
 
     def hexdigest(self) -> str:
-        return self._whole.hexdigest() if self.single else self._multipart()
+        if not self.multipart:
+            return self._md5.hexdigest()
+        parts = self._parts + ([self._md5.digest()] if self._n else [])
+        return f"{hashlib.md5(b''.join(parts)).hexdigest()}-{len(parts)}"
 
     def matches(self, etag: str) -> bool:
-        return etag == (self._multipart() if "-" in etag else self._whole.hexdigest())
+        return etag == self.hexdigest()
 
 
 @contextlib.contextmanager
