@@ -82,9 +82,9 @@ def test_retention_counts_only_verified_checkpoints(tmp_path):
     store = CheckpointStore(str(tmp_path))
     for s in (1, 2, 3, 4):
         _commit(store, s)
-    for s in (3, 4):  # the two newest are cut short: the last 2 verified are 1 and 2
+    for s in (3, 4):  # the two newest are corrupt: the last 2 verified are 1 and 2
         with open(_blob(store, s), "r+b") as f:
-            f.truncate(10)
+            f.write(b"XX")
     store.retain(2)
     assert [c.step for c in store.list()] == [1, 2, 3, 4]  # nothing newer than 2 is deleted
     assert store.latest_valid().step == 2

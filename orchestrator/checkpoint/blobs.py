@@ -62,13 +62,13 @@ def _chunks(mv: memoryview, chunk: int) -> list[memoryview]:
     return [mv[i:i + chunk] for i in range(0, len(mv), chunk)]
 
 
-def hash_array(a: np.ndarray, chunk: int = CHUNK_BYTES) -> ArrayRef:
-    a = np.asarray(a)
+def hash_array(a: np.ndarray, chunk: int | None = None) -> ArrayRef:
+    a, chunk = np.asarray(a), chunk or CHUNK_BYTES
     chunks = tuple((xxhash.xxh3_128_hexdigest(c), len(c)) for c in _chunks(_bytes_view(a), chunk))
     return ArrayRef(str(a.dtype), tuple(a.shape), chunks)
 
 
-def hash_arrays(arrays: dict[str, np.ndarray], chunk: int = CHUNK_BYTES) -> dict[str, ArrayRef]:
+def hash_arrays(arrays: dict[str, np.ndarray], chunk: int | None = None) -> dict[str, ArrayRef]:
     return {k: hash_array(a, chunk) for k, a in arrays.items()}
 
 

@@ -215,7 +215,7 @@ class DurableMirror:
 
     def _upload(self, c: Checkpoint) -> None:
         t0 = self.clock.time()
-        reason = self.store.local.verify(c.path)
+        reason = self.store.local.verify(c.path, cached=True)  # what this process hashed once
         if reason is not None:
             raise _SourceGone(f"local copy {c.path} does not verify: {reason}")
         try:

@@ -37,6 +37,7 @@ import numpy as np
 
 from orchestrator.checkpoint import blobs
 from orchestrator.checkpoint.blobs import BlobError, weights_fingerprint  # noqa: F401 - bench
+from orchestrator.checkpoint.blobset import BLOB_GRACE_S, BlobSet
 from orchestrator.checkpoint.places import LocalPlace
 from orchestrator.core.osutil import pid_alive, sha256_file
 # defined below the store (the spec builds it), imported from here by its users too
@@ -47,9 +48,6 @@ MANIFEST = "manifest.json"
 STATE_FILE = "state.npz"  # format 1's one payload file
 COMMIT_MARKER = "COMMITTED"
 REFS = "refs"  # the blobs a checkpoint (or a commit in flight) names, one hash a line
-# a blob no directory names is deleted only once it is older than this: the
-# margin between this host's clock and the storage's modification times
-BLOB_GRACE_S = 60.0
 _COMMITTED = re.compile(r"^\d{10}$")
 
 
@@ -106,7 +104,7 @@ class CheckpointStore:
         self.may_delete = may_delete
         self.blob_grace_s = blob_grace_s
         self._verified: dict[str, tuple] = {}  # path -> stat key of the files that verified
-        self._good: dict[str, tuple] = {}  # blob hash -> its stat key when it hashed right
+        self.blobs = BlobSet(self.place, blob_grace_s)
         self.last_copy: dict = {}  # what commit_copy moved: bytes_uploaded, blobs_*
 
     # ---------------------------------------------------------------- write side
@@ -124,13 +122,13 @@ class CheckpointStore:
 
         def fill(tmp: str) -> None:
             self._write_refs(tmp, refs)
-            written, reused = self._write_blobs(arrays, refs)
+            written, reused = self.blobs.write(arrays, refs)
             files = self._write_files(tmp, write_payload)
             full = dict(manifest, format=FORMAT, step=step, files=files,
                         arrays={k: r.to_json() for k, r in refs.items()},
                         bytes_written=written, blobs_reused=reused,
                         committed_at=round(time.time(), 3), pid=os.getpid())
-            self._recheck_blobs(arrays, refs)  # a blob reused but collected meanwhile
+            self.blobs.recheck(arrays, refs)  # a blob reused but collected meanwhile
             return self._write_manifest(tmp, full)
 
         final = self._commit_dir(step, fill)
@@ -141,65 +139,6 @@ class CheckpointStore:
     def _write_refs(self, tmp: str, refs: dict) -> None:
         self.place.write_bytes(f"{tmp}/{REFS}", "".join(
             f"{h}\n" for h in sorted(_unique_chunks(refs))).encode())
-
-    def _write_blobs(self, arrays: dict, refs: dict) -> tuple[int, int]:
-        """Write each chunk this tier lacks (or holds corrupt). (bytes written, blobs reused)."""
-        written, reused, done = 0, 0, set()
-        for k, a in arrays.items():
-            for h, data in blobs.array_chunks(a, refs[k]):
-                if h in done:
-                    continue
-                done.add(h)
-                if self._reuse(h, len(data)):
-                    reused += 1
-                    continue
-                with self.place.open_write(blobs.blob_key(h)) as f:
-                    blobs.write_chunk(f, data)
-                self._vouch(h)
-                written += len(data)
-        return written, reused
-
-    def _stat(self, h: str):
-        stat = getattr(self.place, "stat_key", None)
-        key = blobs.blob_key(h)
-        return stat(key) if stat else self.place.size(key)
-
-    def _vouch(self, h: str) -> None:
-        """This process wrote or hashed blob ``h``: trust it while its stat is unchanged."""
-        self._good[h] = (self._stat(h), time.time_ns())
-
-    def _vouched(self, h: str) -> bool:
-        """Vouched for, unchanged since, and not racily: a stat taken within a second of its
-        mtime could miss a change made in the same clock tick (git's "racily clean")."""
-        seen = self._good.get(h)
-        if seen is None or seen[0] is None or seen[0] != self._stat(h):
-            return False
-        stat, at = seen
-        return not isinstance(stat, tuple) or stat[1] < at - 1_000_000_000
-
-    def _reuse(self, h: str, n: int) -> bool:
-        """Blob ``h`` is here, whole and right: reuse it. One this process has not vouched for
-        is hashed first (a corrupt blob is written again, never reused into every later
-        checkpoint). The reference list written first keeps it from a collection."""
-        key = blobs.blob_key(h)
-        if self.place.size(key) != n:
-            return False
-        if not self._vouched(h):
-            try:
-                with self.place.open_read(key) as f:
-                    if blobs.hash_stream(f)[0] != h:
-                        return False
-            except FileNotFoundError:
-                return False
-            self._vouch(h)
-        return True
-
-    def _recheck_blobs(self, arrays: dict, refs: dict) -> None:
-        for k, a in arrays.items():
-            for h, data in blobs.array_chunks(a, refs[k]):
-                if self.place.size(blobs.blob_key(h)) != len(data):
-                    with self.place.open_write(blobs.blob_key(h)) as f:
-                        blobs.write_chunk(f, data)
 
     def _write_files(self, tmp: str, write_payload) -> dict:
         if write_payload is None:
@@ -241,7 +180,7 @@ class CheckpointStore:
             self._write_refs(tmp, refs)
             for h, (n, _k) in _unique_chunks(refs).items():
                 key = blobs.blob_key(h)
-                if self._reuse(h, n):
+                if self.blobs.reuse(h, n):
                     facts["blobs_reused"] += 1
                     continue
                 self._copy_key(src, key, key)
@@ -309,6 +248,10 @@ class CheckpointStore:
             self.collect_blobs()
         return removed
 
+    def collect_blobs(self) -> list[str]:
+        """Delete the blobs no checkpoint or commit in flight names (BlobSet.collect)."""
+        return self.blobs.collect(self.named_blobs)
+
     def remove(self, c: Checkpoint) -> None:
         """Delete one checkpoint's directory (its blobs go at the next ``collect_blobs``)."""
         self.place.delete_prefix(os.path.basename(c.path))
@@ -332,31 +275,6 @@ class CheckpointStore:
             for r in (manifest.get("arrays") or {}).values():
                 named.update(h for h, _ in r.get("chunks", []))
         return named
-
-    def collect_blobs(self) -> list[str]:
-        """Delete the blobs no directory names, written before this collection began (less
-        the grace). A commit in flight names its blobs (``refs``) before it writes or reuses
-        any, the names are read again just before the deletions, and the commit checks its
-        blobs again before its rename: a concurrent commit never loses one. Returns the
-        hashes deleted."""
-        began = time.time()
-        named = self.named_blobs()
-        unnamed = []
-        for shard in self.place.children(blobs.BLOBS):
-            for name in self.place.children(f"{blobs.BLOBS}/{shard}"):
-                key = f"{blobs.BLOBS}/{shard}/{name}"
-                if not blobs.is_blob_name(name):
-                    _remove_if_dead_writer(self.place, key, name)
-                    continue
-                mtime = self.place.mtime(key)
-                if name not in named and mtime is not None and mtime < began - self.blob_grace_s:
-                    unnamed.append(name)
-        named = self.named_blobs()  # a commit that began meanwhile
-        removed = [h for h in unnamed if h not in named]
-        for h in removed:
-            self.place.delete(blobs.blob_key(h))
-            self._good.pop(h, None)
-        return removed
 
     def remove_partial(self) -> list[str]:
         """Remove temporary directories left by writers that died mid-commit."""
@@ -384,10 +302,12 @@ class CheckpointStore:
     def verify(self, path: str, cached: bool = False, rehash: set | None = None) -> str | None:
         """None when the checkpoint at ``path`` is complete and intact, else the reason.
 
-        ``cached`` (retention, listings): the manifest, the marker, each blob's existence and
-        size, and the files' checksums unless an earlier verification saw the same size, mtime
-        and inode. Otherwise (restore, the read-back of a durable copy) every blob is hashed
-        again, or only those in ``rehash`` (the mirror: the blobs it just uploaded).
+        ``cached`` (retention, listings, the mirror's passes): the manifest, the marker, each
+        blob's existence and size, and the hash of each blob (and file) this process has not
+        hashed before with the same size, mtime and inode: a frozen layer is hashed once per
+        process, a corrupt copy is still found. Otherwise (restore, the read-back of a durable
+        copy) every blob is hashed again, or only those in ``rehash`` (the mirror: the blobs it
+        just uploaded).
         """
         if self._foreign(path):
             return CheckpointStore(os.path.dirname(path)).verify(path, cached, rehash)
@@ -420,11 +340,9 @@ class CheckpointStore:
                     return f"{what}: missing"
                 if size != n:
                     return f"{what}: size {size} != {n}"
-                if not cached and (rehash is None or h in rehash):
-                    with self.place.open_read(bkey) as f:
-                        if blobs.hash_stream(f)[0] != h:
-                            return f"{what}: checksum mismatch"
-                    self._vouch(h)
+                if (not self.blobs.vouched(h)) if cached else (rehash is None or h in rehash):
+                    if not self.blobs.hashes_right(h):
+                        return f"{what}: checksum mismatch"
             except OSError as exc:
                 return f"{what}: {exc.strerror or exc}"
         return self._verify_files(path, key, manifest["files"], cached)
@@ -466,17 +384,8 @@ class CheckpointStore:
             with self.place.open_read(f"{key}/{STATE_FILE}") as f, \
                     np.load(f, allow_pickle=False) as z:
                 return {k: z[k] for k in z.files}
-        out = {}
-        for k, r in Checkpoint(0, path, manifest).array_refs.items():
-            a = blobs.empty_for(r)
-            mv, at = memoryview(a.reshape(-1).view(np.uint8)), 0
-            for h, n in r.chunks:
-                with self.place.open_read(blobs.blob_key(h)) as f:
-                    blobs.read_chunk(f, mv[at:at + n], h, f"{path}: blob {h} of {k}")
-                self._vouch(h)
-                at += n
-            out[k] = a
-        return out
+        return {k: self.blobs.read(r, f"{path}: blob {{}} of {k}")
+                for k, r in Checkpoint(0, path, manifest).array_refs.items()}
 
     def latest_valid(self, on_skip: Callable[[Checkpoint, str], None] | None = None
                      ) -> Checkpoint | None:
@@ -502,12 +411,3 @@ class CheckpointStore:
             manifest = {}
         return Checkpoint(int(os.path.basename(path)), path,
                           manifest if isinstance(manifest, dict) else {}, self)
-
-
-def _remove_if_dead_writer(place, key: str, name: str) -> None:
-    """A blob's temporary file (``<hash>.tmp-<pid>-<id>``) whose writer died."""
-    parts = name.split(".tmp-")
-    if len(parts) == 2 and parts[1].split("-")[0].isdigit():
-        pid = int(parts[1].split("-")[0])
-        if pid != os.getpid() and not pid_alive(pid):
-            place.delete(key)

@@ -59,7 +59,8 @@ class CheckpointLedger:
         self.journal.append(Event.CHECKPOINT_COMMITTED, epoch=c.epoch,
                             batch=c.manifest.get("batch", 0), step=c.step, path=c.path,
                             weights_sha256=c.manifest.get("weights_sha256"),
-                            state_sha256=c.manifest.get("state_sha256"))
+                            state_sha256=c.manifest.get("state_sha256"),
+                            bytes_written=c.manifest.get("bytes_written"))
         self.steps.add(c.step)
 
     def latest(self) -> Checkpoint | None:
