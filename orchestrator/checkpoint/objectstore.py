@@ -25,7 +25,6 @@ import importlib
 import math
 import os
 import tempfile
-import time
 from typing import BinaryIO, Iterator
 
 from orchestrator.core.spec import OBJECT_STORES, object_store_problem
@@ -35,7 +34,6 @@ SIMPLE_MAX = 5 * 2**20       # below this, bytes go up in one request on both se
 S3_PART = 50 * 2**20         # s3fs's default part size (ours, passed explicitly)
 S3_MAX_PARTS = 10_000
 S3_SINGLE_MAX = 5 * 2**30    # S3's largest single PUT
-TOUCHED = "orchestrator_touched"  # the object's metadata key a touch sets
 _LIBRARY_ERRORS = ("gcsfs", "s3fs", "fsspec", "botocore", "aiobotocore", "aiohttp", "google",
                    "requests", "urllib3")
 
@@ -200,21 +198,7 @@ class FsspecPlace:
         when = info.get("updated") or info.get("LastModified")
         if isinstance(when, str):
             when = datetime.datetime.fromisoformat(when.replace("Z", "+00:00"))
-        touched = (info.get("metadata") or {}).get(TOUCHED)  # where the server's time lags
-        times = [t for t in (when.timestamp() if when else None,
-                             float(touched) if touched else None) if t is not None]
-        return max(times) if times else 0.0
-
-    def touch(self, key: str) -> bool:
-        """Renew the object's modification time (a metadata update: a server-side copy on
-        S3), so a blob reused by a commit in flight is not collected; False if absent."""
-        try:
-            with _as_oserror(self.url, key):
-                set_metadata = getattr(self.fs, "setxattrs", None) or self.fs.setxattr
-                set_metadata(self.path(key), **{TOUCHED: f"{time.time():.3f}"})
-        except FileNotFoundError:
-            return False
-        return True
+        return when.timestamp() if when is not None else 0.0
 
     def stat_key(self, key: str) -> tuple | None:
         """(size, mtime in ns, the server's checksum and version), as a folder's (size,
@@ -282,8 +266,8 @@ class _Crc32c:
 class _S3ETag:
     """S3's ETag: the MD5 of a single-part object, else the MD5 of the parts' MD5s and ``-N``
     (the part size is ours, given to s3fs). ``multipart``: which form to compute (a read
-    takes the object's: a copy on the server, a touch, may have made a multipart object a
-    single-part one); by default the form our upload of ``size`` bytes takes."""
+    takes the object's: a copy on the server may have made a multipart object a single-part
+    one); by default the form our upload of ``size`` bytes takes."""
 
     def __init__(self, size: int, multipart: bool | None = None):
         self.part = max(S3_PART, math.ceil(size / S3_MAX_PARTS))
