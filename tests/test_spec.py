@@ -241,6 +241,30 @@ def test_checkpoint_key_errors(write_job, tmp_path, old, new, key, expected):
     assert str(e.value).startswith(f"{path}:")
 
 
+@pytest.mark.parametrize("url", ["gs://ckpt/runs/a", "s3://ckpt/runs/a"])
+def test_checkpoint_durable_may_be_a_bucket(write_job, tmp_path, url):
+    path = write_job(TIERS.replace("remount: colab", f"remount: colab\n  durable: {url}"))
+    c = load(path, run_dir=str(tmp_path / "r")).checkpoint
+    assert c.durable == url
+
+
+@pytest.mark.parametrize("url, expected", [
+    ("az://ckpt/a", "expected gs://bucket/prefix or s3://bucket/prefix, got 'az://ckpt/a'"),
+    ("/mnt/ckpt", "expected gs://bucket/prefix or s3://bucket/prefix"),
+    ("gs://", "expected gs://bucket/prefix"),
+    ("gs://ckpt/a", "needs no_such_gcs_library: pip install 'orchestrator[gcs]'"),
+])
+def test_checkpoint_durable_errors(write_job, tmp_path, monkeypatch, url, expected):
+    """An unknown scheme, or a bucket whose library is not installed: the file, the key and
+    the command that installs it."""
+    monkeypatch.setitem(spec_mod.OBJECT_STORES, "gs", ("no_such_gcs_library", "gcs"))
+    path = write_job(TIERS.replace("remount: colab", f"remount: colab\n  durable: {url}"))
+    with pytest.raises(SpecError) as e:
+        load(path, run_dir=str(tmp_path / "r"))
+    assert str(e.value).startswith(f"{path}:") and "key 'checkpoint.durable'" in str(e.value)
+    assert expected in str(e.value), str(e.value)
+
+
 def test_every_mistake_of_a_job_file_is_reported_at_once(write_job, capsys):
     from orchestrator.core import specload
 

@@ -14,6 +14,7 @@ import os
 import time
 from typing import Callable
 
+from orchestrator.checkpoint.objectstore import FsspecPlace, is_object_store
 from orchestrator.checkpoint.store import Checkpoint, CheckpointStore, Retention, as_retention
 from orchestrator.core.osutil import write_json_atomic
 from orchestrator.core.rundir import RunDir
@@ -40,10 +41,23 @@ def unmark_durable(local: Checkpoint) -> bool:
     return True
 
 
+def durable_store(root: str) -> CheckpointStore:
+    """The durable tier at ``root``: a folder, or a bucket (``gs://``, ``s3://``) whose writes
+    count once the server acknowledged our checksum (objectstore.py)."""
+    if is_object_store(root):
+        return CheckpointStore(root, place=FsspecPlace(root))
+    return CheckpointStore(root)
+
+
+def durable_root(spec) -> str:
+    """``checkpoint.durable`` (a bucket) or else the run directory's ``checkpoints/``."""
+    return spec.checkpoint.durable or RunDir(spec.run_dir).checkpoints
+
+
 class TieredStore:
     def __init__(self, local_root: str, durable_root: str):
         self.local = CheckpointStore(local_root, may_delete=is_durable)
-        self.durable = CheckpointStore(durable_root)
+        self.durable = durable_store(durable_root)
         self.durable_error: OSError | None = None  # why the last durable listing failed
 
     @property
@@ -138,4 +152,4 @@ def set_aside_local(store: TieredStore) -> tuple[str, int] | None:
 
 
 def for_spec(spec) -> TieredStore:
-    return TieredStore(spec.checkpoint.local_dir, RunDir(spec.run_dir).checkpoints)
+    return TieredStore(spec.checkpoint.local_dir, durable_root(spec))

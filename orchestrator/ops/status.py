@@ -13,6 +13,7 @@ from orchestrator.core import heartbeat, hosts
 
 from orchestrator.ops import timeline
 from orchestrator.core.formatting import fmt_duration, fmt_metrics
+from orchestrator.checkpoint import tiers
 from orchestrator.checkpoint.store import CheckpointStore
 from orchestrator.core.journal import Journal
 from orchestrator.core.lock import FILE as LOCK_FILE, RunLock
@@ -110,15 +111,18 @@ def _last(events: list[dict], *kinds: str) -> dict | None:
 def _latest_checkpoints(rd) -> tuple:
     """The latest valid checkpoint of the durable tier (or why it cannot be read), and of the
     local tier, known from the run's job copy (and existing on its machine only)."""
-    durable = CheckpointStore(rd.checkpoints)  # the run directory's: the durable tier
-    try:
-        durable_latest, durable_error = durable.latest_valid(), None
-    except OSError as exc:
+    try:  # both tiers are known from the run's job copy (the local one is on its machine only)
+        spec = load(rd.job_copy, run_dir=rd.root)
+    except (SpecError, OSError):
+        spec = None
+    try:  # the run directory's checkpoints/, or the job's bucket
+        durable_latest, durable_error = tiers.durable_store(
+            tiers.durable_root(spec) if spec else rd.checkpoints).latest_valid(), None
+    except (OSError, ValueError) as exc:
         durable_latest, durable_error = None, str(exc)
     try:
-        local = CheckpointStore(load(rd.job_copy, run_dir=rd.root).checkpoint.local_dir)
-        local_latest = local.latest_valid()
-    except (SpecError, OSError):
+        local_latest = CheckpointStore(spec.checkpoint.local_dir).latest_valid() if spec else None
+    except OSError:
         local_latest = None
     return durable_latest, durable_error, local_latest
 
