@@ -445,5 +445,5 @@ def test_a_durable_url_is_gs_or_s3(write_job, value, ok):
         c = load(path).checkpoint
         assert (c.durable, c.durable_cache) == (value, "writeback")
     else:
-        with pytest.raises(SpecError, match=r":15: key 'checkpoint.durable': expected a URL"):
+        with pytest.raises(SpecError, match=r":15: key 'checkpoint.durable': expected gs://bucket/prefix or s3://bucket/prefix"):
             load(path)

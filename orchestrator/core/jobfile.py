@@ -131,7 +131,7 @@ class Checkpoint(Section):
     background: Boolean = Field(True, description=(
         "write checkpoints off the training thread; false: in line"))
     durable: Optional[Annotated[str, _checked(
-        _durable_url, "expected a URL gs://BUCKET/PATH or s3://BUCKET/PATH")]] = Field(
+        _durable_url, "expected gs://bucket/prefix or s3://bucket/prefix")]] = Field(
             None, description="a bucket (gs:// or s3://) as the durable tier, in place of the run directory's checkpoints/")
     durable_cache: Choice(DURABLE_CACHES) = Field("auto", description=(
         "how the durable tier caches its copies: auto | writeback | none"))
