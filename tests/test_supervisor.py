@@ -50,33 +50,6 @@ def test_killed_worker_is_restarted_and_resumes_after_last_commit(fake_job):
     assert "killed by SIGKILL" in out
 
 
-def test_restart_budget_is_enforced_with_a_clear_message(fake_job):
-    plan = {"exit": {str(n): 1 for n in range(1, 10)}}
-    rc, out, events = _run(fake_job(restarts="{max: 2, backoff: {initial: 0.01}}"), plan)
-    assert rc == 1
-    assert sum(e["event"] == "attempt_started" for e in events) == 3
-    failed = events[-1]
-    assert failed["event"] == "run_failed" and "restart budget of 2 spent" in failed["reason"]
-    assert failed["error"]["message"] == "planned exit 1"
-    assert "FAILED at epoch 0/4: restart budget of 2 spent" in out
-
-
-def test_backoff_grows_between_restarts_that_make_no_progress(fake_job):
-    plan = {"exit": {"1": 1, "2": 1, "3": 1}}
-    _, _, events = _run(fake_job(restarts="{max: 3, backoff: {initial: 0.05, max: 1, "
-                                          "multiplier: 4}}",
-                                 extra="recovery: {crash_loop: {same_failure: 4}}"), plan)
-    delays = [e["delay_s"] for e in events if e["event"] == "restart"]
-    assert delays == [0.0, 0.05, 0.2]  # the first restart after progress is immediate
-
-
-def test_config_error_exit_is_not_retried(fake_job):
-    rc, out, events = _run(fake_job(), {"exit": {"1": 78}})
-    assert rc == 1
-    assert sum(e["event"] == "attempt_started" for e in events) == 1
-    assert "a restart cannot fix it" in events[-1]["reason"]
-
-
 def test_worker_exit_is_noticed_at_once(fake_job):
     _, _, events = _run(fake_job(restarts="{max: 1, backoff: {initial: 0}}"),
                         {"exit": {"1": 3}})

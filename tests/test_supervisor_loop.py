@@ -71,14 +71,16 @@ def test_a_killed_worker_is_restarted_and_resumes_after_its_last_commit(fake_job
     assert len(_ev(events, "restart")) == 2
 
 
-def test_the_restart_budget_is_spent_then_the_run_fails_with_the_reason(fake_job):
+def test_the_restart_budget_is_spent_then_the_run_fails_with_the_reason(fake_job, said):
     plan = {"exit": {str(n): 1 for n in range(1, 10)}}
-    rc, events, engine, _ = run(fake_job(extra=CPU), plan)
+    rc, events, engine, _ = run(fake_job(restarts="{max: 2, backoff: {initial: 0.01}}",
+                                         extra=CPU), plan)
     assert rc == 1
     assert len(_ev(events, "attempt_started")) == 3  # max: 2 restarts
     failed = events[-1]
     assert failed["event"] == "run_failed" and "restart budget of 2 spent" in failed["reason"]
     assert failed["error"]["message"] == "planned exit 1"
+    assert any("FAILED at epoch 0/4: restart budget of 2 spent" in line for line in said)
 
 
 def test_the_backoff_between_restarts_without_progress_grows_on_the_clock(fake_job):
@@ -114,6 +116,7 @@ def test_failures_with_progress_in_between_are_not_a_crash_loop(fake_job):
     rc, events, _, _ = run(fake_job(epochs=5, restarts="{max: 9, backoff: {initial: 0.01}}",
                                     extra=CPU), plan)
     assert rc == 0 and _epochs(events) == [1, 2, 3, 4, 5]
+    assert [e["action"] for e in _ev(events, "recovery")] == ["restart"] * 4
 
 
 def test_a_warm_standby_is_promoted_and_a_new_one_starts_behind_it(fake_job):

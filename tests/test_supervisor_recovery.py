@@ -283,17 +283,6 @@ def test_unknown_exit_is_restarted(fake_job):
     assert _kinds(events) == [("unknown", None)] and _actions(events) == ["restart"]
 
 
-def test_the_same_failure_at_the_same_step_is_a_crash_loop(fake_job):
-    boom = {"type": "KeyError", "message": "'labels'"}
-    rc, out, events = _run(fake_job(epochs=2, restarts="{max: 10, backoff: {initial: 0.01}}"),
-                           {"error": {str(n): boom for n in range(1, 10)}})
-    assert rc == 1
-    assert sum(e["event"] == "attempt_started" for e in events) == 3
-    failed = _ev(events, "run_failed")[0]
-    assert "crash loop" in failed["reason"] and "3 times in a row" in failed["reason"]
-    assert failed["tried"] == ["restart", "restart"]
-
-
 def test_corrupt_checkpoint_is_skipped_on_resume(fake_job):
     rc, out, events = _run(fake_job(epochs=3, restarts=FAST),
                            faults=["corrupt-checkpoint@epoch=2", "kill@step=25"])
@@ -331,11 +320,3 @@ def test_faults_already_fired_do_not_fire_again_when_the_run_is_resumed(fake_job
     rc, out, events = _run(job, faults=["exit=3@step=5"])  # completed run: nothing to do
     assert rc == 0
     assert len(_ev(events, "fault_injected")) == 1
-
-
-def test_failures_with_progress_in_between_are_not_a_crash_loop(fake_job):
-    kills = ["kill@step=15", "kill@step=25", "kill@step=35", "kill@step=45"]
-    rc, out, events = _run(fake_job(epochs=5, restarts=FAST), faults=kills)
-    assert rc == 0, out  # 4 failures within minutes, but each after a new checkpoint
-    assert _actions(events) == ["restart"] * 4
-    assert _epochs(events) == [1, 2, 3, 4, 5]

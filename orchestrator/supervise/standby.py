@@ -144,7 +144,8 @@ class Standby:
         """Its process (a Popen where the local engine spawned it), once started."""
         return self.member.handle
 
-    def _to(self, state: StandbyState) -> None:
+    def move(self, state: StandbyState) -> None:
+        """To ``state``, if ``TRANSITIONS`` allows it from where it is (ValueError if not)."""
         if self.state is not None and state not in TRANSITIONS.get(self.state, ()):
             raise ValueError(f"standby for attempt {self.for_attempt}: {self.state.value} "
                              f"cannot become {state.value}")
@@ -154,7 +155,7 @@ class Standby:
         self.t0 = time.time()
         # the same queue and item as an attempt's: once promoted, Attempt.wait sees its exit
         self.engine.spawn(self.member, self.cmd, self.env, self.cwd, self.events)
-        self._to(StandbyState.STARTED)
+        self.move(StandbyState.STARTED)
         self.journal.append(Event.STANDBY_STARTED, for_attempt=self.for_attempt,
                             pid=self.member.pid, host=self.member.host,
                             identity=self.member.identity, mode=self.mode, log=self.log)
@@ -169,12 +170,12 @@ class Standby:
         if self.state is StandbyState.STARTED and any(
                 e.get("pid") == self.member.pid and e.get("for_attempt") == self.for_attempt
                 for e in self.journal.iter(Event.STANDBY_READY)):
-            self._to(StandbyState.READY)
+            self.move(StandbyState.READY)
         return self.state is StandbyState.READY
 
     def lost(self) -> None:
         """It exited on its own before a promotion."""
-        self._to(StandbyState.LOST)
+        self.move(StandbyState.LOST)
 
     def unfit(self, action: str, env: dict) -> str | None:
         """Why this standby cannot become the next attempt (None: it can)."""
@@ -203,7 +204,7 @@ class Standby:
             self.log = self.member.log = log
         self.proc.stdin.write(json.dumps({"attempt": attempt}).encode() + b"\n")
         self.proc.stdin.close()
-        self._to(StandbyState.PROMOTED if ready else StandbyState.ADOPTED)
+        self.move(StandbyState.PROMOTED if ready else StandbyState.ADOPTED)
         return self.member
 
     def discard(self, reason: str) -> None:
@@ -221,7 +222,7 @@ class Standby:
             with contextlib.suppress(BrokenPipeError):  # its reader is gone: nothing to flush
                 self.proc.stdin.close()
         if self.state is not None and self.state.live:
-            self._to(StandbyState.DISCARDED)
+            self.move(StandbyState.DISCARDED)
         self.journal.append(Event.STANDBY_DISCARDED, for_attempt=self.for_attempt,
                             pid=self.proc.pid, reason=reason, was_alive=alive,
                             was_ready=ready, age_s=round(time.time() - self.t0, 3))
