@@ -22,6 +22,7 @@ import importlib.util
 import logging
 import os
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -115,8 +116,6 @@ def _host_class(ray):
 
 def _place(ray) -> tuple[str, str, str, str, str]:
     """Where ``WorkerHost.place`` runs, as it answers it."""
-    import socket
-
     ip = ray.util.get_node_ip_address()  # 127.0.0.1 for a one-node Ray on loopback
     return (socket.gethostname(), f"{ip}:{free_port(ip)}", ip, relay.node_key(),
             ray.get_runtime_context().get_node_id())
