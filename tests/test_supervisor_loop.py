@@ -6,7 +6,6 @@ import io
 import os
 import sys
 
-import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "fakes"))
 
@@ -161,3 +160,116 @@ def test_a_group_stops_every_rank_when_one_dies_and_restarts_as_one(fake_job):
     assert engine.killed == [(1, 0, -15)]  # rank 0 stopped, not left in a collective
     assert engine.spawned == [(1, 0), (1, 1), (2, 0), (2, 1)] and engine.opened == [2, 2]
     assert [e["from_epoch"] for e in _ev(events, "attempt_started")] == [0, 1]
+
+
+# ---------------------------------------------------------------------- moved from the
+# integration tier: what they prove is the loop's, the ledger's and the policy's, not a process's
+
+
+def test_a_second_run_of_a_completed_job_starts_no_worker(fake_job):
+    job = fake_job(epochs=2, extra=CPU)
+    run(job)
+    rc, events, engine, _ = run(job)
+    assert rc == 0 and engine.spawned == []
+    assert len(_ev(events, "attempt_started")) == 1  # the first run's
+    assert len(_ev(events, "run_completed")) == 1
+
+
+def test_mid_epoch_checkpoints_journal_each_epoch_once(fake_job):
+    rc, events, _, _ = run(fake_job(epochs=4, extra=CPU),
+                           {"mid_epoch": True, "exit_at_epoch": {"1": [3, -9]}})
+    assert rc == 0
+    assert _epochs(events) == [1, 2, 3, 4]
+    committed = [(e["epoch"], e["batch"]) for e in _ev(events, "checkpoint_committed")]
+    assert (2, 5) in committed and (2, 0) in committed and len(committed) == len(set(committed))
+
+
+def test_training_ended_early_by_a_callback_counts_as_completed(fake_job):
+    job = fake_job(epochs=6, extra=CPU)
+    rc, events, _, _ = run(job, {"stop_early": {"1": 2}})
+    assert rc == 0
+    assert _epochs(events) == [1, 2]
+    assert events[-1]["event"] == "run_completed" and events[-1]["epochs"] == 2
+    rc, events, engine, _ = run(job)
+    assert rc == 0 and engine.spawned == [] and len(_ev(events, "attempt_started")) == 1
+
+
+def test_a_factory_typeerror_is_the_jobs_and_stops_at_once(fake_job, tmp_path):
+    """The supervisor tells classify which factories are the job's: a TypeError raised where
+    the worker calls ``nowhere:build`` with arguments it does not take is ``user_error``."""
+    import traceback
+
+    from orchestrator.train import jobcode
+
+    (tmp_path / "nowhere.py").write_text("def build(width=8):\n    return width\n")
+    job = fake_job(epochs=2, extra=CPU)
+    try:
+        spec = load(job)
+        jobcode.resolve(spec, spec.model, "model").func(widht=3)
+    except TypeError as exc:  # a real record of a real call, as the worker writes it
+        tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__.tb_next))
+        error = {"type": "TypeError", "qualified_type": "builtins.TypeError",
+                 "message": str(exc), "traceback": tb}
+    rc, events, engine, _ = run(job, {"error": {"1": error}})
+    assert rc == 1 and engine.spawned == [(1, 0)]
+    ended = _ev(events, "attempt_ended")[0]
+    assert (ended["kind"], ended["signature"], ended["layer"]) == ("user_error", None,
+                                                                   "exception")
+    assert _ev(events, "run_failed")[0]["evidence"] == \
+        "TypeError: build() got an unexpected keyword argument 'widht'"
+
+
+def test_an_unknown_exit_is_restarted(fake_job):
+    rc, events, _, _ = run(fake_job(epochs=3, extra=CPU), {"exit_at_epoch": {"1": [2, 3]}})
+    assert rc == 0
+    assert [(e["kind"], e["action"]) for e in _ev(events, "recovery")] == [("unknown",
+                                                                             "restart")]
+
+
+def test_a_new_run_where_a_deleted_one_was_does_not_resume_its_local_checkpoints(
+        fake_job, tmp_path, said):
+    import shutil
+
+    job = fake_job(epochs=2, extra=CPU)
+    rc, first, _, _ = run(job)
+    assert rc == 0
+    local = first[-1]["checkpoint"].rsplit(os.sep, 1)[0]  # the local tier's folder
+    assert os.listdir(local)
+    rc, again, _, _ = run(job)  # the same run again: it is complete, nothing set aside
+    assert rc == 0 and not _ev(again, "local_checkpoints_set_aside")
+
+    shutil.rmtree(tmp_path / "run")  # the user throws the run away and starts anew
+    rc, events, _, _ = run(job)
+    assert rc == 0
+    aside = _ev(events, "local_checkpoints_set_aside")[0]
+    assert aside["path"] == local  # kept, not deleted: the earlier final checkpoint is there
+    assert os.path.basename(first[-1]["checkpoint"]) in os.listdir(aside["moved_to"])
+    assert aside["entries"] == len(os.listdir(aside["moved_to"]))
+    assert [e["from_epoch"] for e in _ev(events, "attempt_started")] == [0]  # from scratch
+    assert _epochs(events) == [1, 2] and any("starts from scratch" in line for line in said)
+
+
+def test_standby_off_starts_none(fake_job):
+    rc, events, _, _ = run(fake_job(epochs=3, extra=_extra(CPU, "standby: off")),
+                           {"exit_at_epoch": {"1": [2, -9]}}, standby=True)
+    assert rc == 0
+    assert not _ev(events, "standby_started")
+    assert [e.get("cold_reason") for e in _ev(events, "attempt_started")] == [
+        "standby: off", "standby: off"]
+
+
+def test_an_action_that_needs_a_fresh_process_discards_the_standby(fake_job):
+    job = fake_job(epochs=4, extra=_extra(
+        CPU, "recovery: {ladders: {unknown: [reinit_accelerator, restart]}}", "standby: on"))
+    rc, events, _, _ = run(job, {"exit_at_epoch": {"1": [3, 1]}}, standby=True)
+    assert rc == 0
+    discarded = _ev(events, "standby_discarded")
+    assert discarded[0]["for_attempt"] == 2 and discarded[0]["was_alive"]
+    assert "reinit_accelerator needs a fresh process" in discarded[0]["reason"]
+    # discarded before the action is journaled (a reinstall must not run beside it)
+    order = [e["event"] for e in events]
+    assert order.index("standby_discarded") < order.index("recovery")
+    started = _ev(events, "attempt_started")
+    assert [e["path"] for e in started] == ["cold", "cold"]
+    assert started[1]["cold_reason"] == "no standby was up"
+    assert not _ev(events, "standby_promoted")

@@ -5,7 +5,6 @@ import json
 import os
 import shutil
 import stat
-import traceback
 
 import pytest
 
@@ -251,30 +250,6 @@ def test_user_error_stops_at_once_with_a_final_report(fake_job):
     assert (failed["kind"], failed["tried"]) == ("user_error", [])
     assert failed["evidence"] == "ValueError: Please provide a TPU Name to connect to."
     assert "kind: user_error" in out and "tried: nothing" in out
-
-
-def test_a_factory_typeerror_is_the_jobs_and_stops_at_once(fake_job, tmp_path):
-    """The supervisor tells classify which factories are the job's: a TypeError raised where
-    the worker calls ``nowhere:build`` with arguments it does not take is ``user_error``."""
-    from orchestrator.train import jobcode
-
-    (tmp_path / "nowhere.py").write_text("def build(width=8):\n    return width\n")
-    job = fake_job(epochs=2, restarts=FAST)
-    try:
-        spec = load(job)
-        jobcode.resolve(spec, spec.model, "model").func(widht=3)
-    except TypeError as exc:  # a real record of a real call, as the worker writes it
-        tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__.tb_next))
-        error = {"type": "TypeError", "qualified_type": "builtins.TypeError",
-                 "message": str(exc), "traceback": tb}
-    rc, out, events = _run(job, {"error": {"1": error}})
-    assert rc == 1
-    assert sum(e["event"] == "attempt_started" for e in events) == 1
-    ended = _ev(events, "attempt_ended")[0]
-    assert (ended["kind"], ended["signature"], ended["layer"]) == ("user_error", None,
-                                                                   "exception")
-    assert _ev(events, "run_failed")[0]["evidence"] == \
-        "TypeError: build() got an unexpected keyword argument 'widht'"
 
 
 def test_unknown_exit_is_restarted(fake_job):

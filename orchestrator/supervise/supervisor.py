@@ -119,7 +119,7 @@ class Supervisor:
         engine (tests/fakes/engine.py) and a fake clock, in milliseconds."""
         stale = self.run_dir.take()
         try:
-            self._open_run(stale, {})
+            self._open_run(stale, self.run_dir.control.merge_on_start())
             self.engine = self.engine or self._spec_engine()
             return self._supervise()
         except Stopped as exc:

@@ -12,6 +12,8 @@ a real checkpoint through the run's store (``Committed``); then every rank exits
                    {"2": [3, -9, 1]}  only its rank 1 (the others run on until stopped)
   "standby_exit": {"3": 1}            the standby for attempt 3 exits 1 while warming up
   "standby_cold": true                a standby never reports ready (it is adopted)
+  "mid_epoch": true                   also commit in the middle of each epoch (batch 5)
+  "stop_early": {"1": 2}              attempt 1 ends training after epoch 2 (EarlyStopping)
 A standby (its member has ``pipe``) journals ``standby_ready`` at once, unless told not to;
 the promotion line on its stdin plays the attempt it names. A stop (``kill``, a ``SIGKILL``)
 puts the member's exit on the queue, as the thread that waits on a real process does.
@@ -182,10 +184,18 @@ class FakeEngine:
             for m in self._live(ranks):
                 yield Beat(m.rank, {"attempt": n, "phase": "training", "epoch": epoch - 1,
                                     "batch": 1, "time": self.clock.time()})
-            history.append({"epoch": epoch, "loss": 1.0 / epoch})
             if not self._live(ranks[:1]):
                 return
-            yield self._commit(n, epoch, history)
+            if self.plan.get("mid_epoch"):
+                yield self._commit(n, epoch * STEPS - 5, {"epoch": epoch - 1, "batch": 5,
+                                                          "history": list(history)})
+            history.append({"epoch": epoch, "loss": 1.0 / epoch})
+            early = self.plan.get("stop_early", {}).get(key) == epoch
+            yield self._commit(n, epoch * STEPS, {"epoch": epoch, "history": list(history),
+                                                  "stopped_early": early,
+                                                  "weights_sha256": f"fake-{epoch}"})
+            if early:
+                break
         for m in ranks:
             yield from self._exited(m, 0)
 
@@ -198,14 +208,13 @@ class FakeEngine:
             m.handle.returncode = code
             yield Exited(m, code, self.clock.time())
 
-    def _commit(self, n: int, epoch: int, history: list) -> Committed:
+    def _commit(self, n: int, step: int, manifest: dict) -> Committed:
+        """Rank 0 commits ``step`` through the run's store, as fake_worker.py does."""
         def payload(d):
             with open(os.path.join(d, "state.npz"), "wb") as f:
-                f.write(f"weights after epoch {epoch}".encode())
+                f.write(f"weights at step {step}".encode())
 
-        c = self.store.commit(epoch * STEPS, payload,
-                              {"attempt": n, "epoch": epoch, "history": list(history),
-                               "weights_sha256": f"fake-{epoch}"},
+        c = self.store.commit(step, payload, dict(manifest, attempt=n),
                               keep=self.spec.checkpoint.keep)
         return Committed(c.path)
 
