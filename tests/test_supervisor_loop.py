@@ -6,7 +6,6 @@ import io
 import os
 import sys
 
-
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "fakes"))
 
 from engine import FakeEngine, ScriptedQueue  # noqa: E402
