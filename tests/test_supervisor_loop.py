@@ -3,6 +3,7 @@ standby keeper over a fake engine (tests/fakes/engine.py) and a fake clock. No p
 real wait: the restart ladder, the budgets, the crash-loop rule, the standby's promotion and
 a group's failure in milliseconds each. The real processes are tests/test_supervisor*.py's."""
 import io
+import json
 import os
 import sys
 
@@ -159,6 +160,22 @@ def test_a_group_stops_every_rank_when_one_dies_and_restarts_as_one(fake_job):
     assert engine.killed == [(1, 0, -15)]  # rank 0 stopped, not left in a collective
     assert engine.spawned == [(1, 0), (1, 1), (2, 0), (2, 1)] and engine.opened == [2, 2]
     assert [e["from_epoch"] for e in _ev(events, "attempt_started")] == [0, 1]
+
+
+def test_every_rank_of_a_group_restores_the_step_the_supervisor_names(fake_job):
+    from orchestrator.core.rundir import ENV_RESTORE_STEP
+
+    plan = {"exit_at_epoch": {"1": [3, 1, 0]}}
+    rc, _, engine, _ = run(fake_job(epochs=3, extra=_extra(CPU, "workers: 2")), plan)
+    assert rc == 0
+    assert [env[ENV_RESTORE_STEP] for env in engine.envs] == ["", "", "20", "20"]
+    ranks = [json.loads(env["TF_CONFIG"])["task"]["index"] for env in engine.envs]
+    assert ranks == [0, 1, 0, 1]
+
+
+def test_one_worker_is_never_placed_and_has_no_cluster(fake_job):
+    rc, _, engine, _ = run(fake_job(epochs=1, extra=CPU))
+    assert rc == 0 and engine.opened == [] and "TF_CONFIG" not in engine.envs[0]
 
 
 # ---------------------------------------------------------------------- moved from the

@@ -95,6 +95,7 @@ class FakeEngine:
         self.spawned: list = []   # (attempt, rank) of every worker it started, in order
         self.killed: list = []    # (attempt or "standby", rank, signal) of every stop
         self.opened: list[int] = []
+        self.envs: list[dict] = []  # the environment of each worker in ``spawned``
         self.closed = 0
         self._pids = iter(range(100_000, 200_000))  # never signalled: nothing here is a pid
         self.scripts: list = []   # what the running workers will do, drawn in turn
@@ -120,6 +121,7 @@ class FakeEngine:
             self._stand_by(m, attempt)
             return
         self.spawned.append((attempt, m.rank))
+        self.envs.append(env)
         size = len(json.loads(env["TF_CONFIG"])["cluster"]["worker"]) \
             if "TF_CONFIG" in env else 1
         self.pending.append(m)
