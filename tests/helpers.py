@@ -167,11 +167,12 @@ def group_attempt(rd, engine, n: int = 3):
     journal = Journal(rd.journal)
     hang = SimpleNamespace(start=lambda n, size: None, remaining=lambda: 60.0, stepped=False,
                            run_dir=rd.control, beat=lambda rank, record=None: None)
-    slot = SimpleNamespace(events=queue.Queue(), hang=hang)
-    standby = SimpleNamespace(promote=lambda n, env: (None, None), exited=lambda *a: None)
+    slot = SimpleNamespace(events=queue.Queue(), hang=hang, clock=FakeClock())
+    standby = SimpleNamespace(promote=lambda n, env: (None, None), on_exit=lambda *a: None,
+                              on_training=lambda n: None, on_commit=lambda n: None)
     spec = SimpleNamespace(job_dir=os.path.dirname(rd.root), stop_grace=0.0, workers=2)
     attempt = Attempt(n, ["worker"], {}, spec=spec, rd=rd, slot=slot, journal=journal,
-                      standby=standby, engine=engine)
+                      standby=standby, engine=engine, group=True)
     attempt.start(from_epoch=1)
     return attempt, journal
 

@@ -67,7 +67,8 @@ class RunEnd:
     def _flush_durable(self) -> list[int]:
         """Wait (up to checkpoint.flush_timeout) until every checkpoint due is durable."""
         timeout = self.spec.checkpoint.flush_timeout
-        pending = self.mirror.flush(timeout)
+        pending = self.mirror.flush(timeout) if self.mirror.running else \
+            [c.step for c in self.mirror.backlog()]  # no mirror to wait for: what it lacks
         if pending:
             local = self.mirror.store.local.root
             self.journal.append(Event.DURABLE_BACKLOG, steps=pending, at="run_end",
