@@ -301,6 +301,8 @@ def unlisted_in_run_dir(run_dir, names: Sequence[str] | None = None) -> list[str
     for dirpath, dirs, files in os.walk(run_dir):
         rel = os.path.relpath(dirpath, run_dir)
         base = [] if rel == "." else rel.split(os.sep)
-        out += [f"{'/'.join(base + [d])}/" for d in dirs if not listed(base + [d], True)]
+        stray = [d for d in dirs if not listed(base + [d], True)]
+        out += [f"{'/'.join(base + [d])}/" for d in stray]
+        dirs[:] = [d for d in dirs if d not in stray]  # a stray folder is named once, not walked
         out += ['/'.join(base + [f]) for f in files if not listed(base + [f], False)]
     return sorted(out)
