@@ -9,7 +9,8 @@ import time
 
 import pytest
 
-from helpers import ROOT, live, supervise, supervisor_process, wait_until, wait_while_running
+from helpers import (ROOT, live, readme_run_dir_names, supervise, supervisor_process,
+                     unlisted_in_run_dir, wait_until, wait_while_running)
 from orchestrator.core import heartbeat
 from orchestrator.core.journal import Journal
 from orchestrator.core.osutil import pid_alive
@@ -35,6 +36,26 @@ def test_clean_run_completes_and_journals_each_epoch_once(fake_job):
     assert [e["event"] for e in events][-1] == "run_completed"
     assert events[-1]["weights_sha256"] == "fake-4"
     assert "completed: 4 epochs" in out
+
+
+# What the fake worker itself writes into the run directory for the tests to read (its pid, the
+# recovery overrides it was given): not the product's.
+FAKE_WORKER_FILES = ["fake-<n>.pid", "fake-<n>.env.json"]
+
+
+def test_a_completed_run_directory_holds_only_what_the_readme_lists(fake_job, tmp_path):
+    """Attempt 1 is SIGKILLed mid-run, attempt 2 after its last commit, in its export (the
+    staging folder made, nothing in it yet): the run completes, and its directory holds what
+    the README's list names, the killed export's folder gone."""
+    plan = {"exit_at_epoch": {"1": [2, -9]}, "killed_exporting": ["2"], "batches": 3}
+    rc, out, events = _run(fake_job(epochs=3), plan)
+    assert rc == 0, out
+    assert [e.get("exit_code") for e in events if e["event"] == "attempt_ended"] == [-9, -9]
+    assert "removed export.tmp-" in out and "killed half-way" in out
+    run, listed = tmp_path / "run", readme_run_dir_names() + FAKE_WORKER_FILES
+    assert unlisted_in_run_dir(run, listed) == []
+    (run / "export.tmp-1-abcdef").mkdir()  # the comparison sees what the list does not name
+    assert unlisted_in_run_dir(run, listed) == ["export.tmp-1-abcdef/"]
 
 
 def test_killed_worker_is_restarted_and_resumes_after_last_commit(fake_job):

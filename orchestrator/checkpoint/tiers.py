@@ -116,15 +116,16 @@ class TieredStore:
         return (c.tier or self.local).read_arrays(c.path)
 
     def latest_valid(self, on_skip: Callable[[Checkpoint, str], None] | None = None,
-                     step: int | None = None) -> Checkpoint | None:
+                     step: int | None = None, cached: bool = False) -> Checkpoint | None:
         """The newest checkpoint with a copy that verifies in either tier (only ``step``'s,
         when given); ``on_skip`` hears of each copy passed over (corrupt, partial,
-        unreadable)."""
+        unreadable). ``cached``: trust this store's earlier verification of a copy whose
+        files are unchanged (``CheckpointStore.verify``); a restore never passes it."""
         for s, cs in sorted(self.copies().items(), reverse=True):
             if step is not None and s != step:
                 continue
             for c in cs:
-                reason = (c.tier or self.local).verify(c.path)
+                reason = (c.tier or self.local).verify(c.path, cached=cached)
                 if reason is None:
                     return c
                 if on_skip:

@@ -33,6 +33,7 @@ from orchestrator.core import hosts, logs
 from orchestrator.core.clock import SYSTEM, Clock
 from orchestrator.core.events import Event
 from orchestrator.core.journal import Journal
+from orchestrator.core.kinds import Kind
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,7 @@ EXIT_BUDGET = 6      # a budget is spent; running the command again goes on
 EXIT_INTERRUPTED = 130
 
 SETUP_FAILED = "setup_failed"
+ACCELERATOR_BROKEN = "accelerator_broken"  # the run failed of accelerator_context there
 
 
 @dataclass
@@ -239,6 +241,12 @@ class ColabLoop:
         s = found.get("status") or {}
         if state == COMPLETED:
             return COMPLETED, None
+        if state == FAILED and (s.get("failure") or {}).get("kind") == Kind.ACCELERATOR_CONTEXT:
+            # the runtime's accelerator stayed broken through a fresh process and a fresh TPU
+            # system there: another runtime is the next remedy (the run resumes from Drive)
+            log.info(f"runtime {self.session}: its accelerator stayed broken "
+                     f"({s.get('last_error') or 'accelerator_context'}); asking for another")
+            return ACCELERATOR_BROKEN, None
         if state == FAILED:
             why = s.get("last_error") or f"see `orchestrator status {self.plan.run_dir}`"
             return FAILED, self._end("failed", f"the run failed: {why}", 1)

@@ -144,7 +144,7 @@ mark(**found)
 """
 
 STATUS_KEYS = ("state", "epoch", "epochs", "step", "attempt", "restarts", "goodput",
-               "last_error", "weights_sha256")
+               "last_error", "failure", "weights_sha256")
 
 
 def probe(run_dir: str, timeout: float = 60.0) -> str:

@@ -146,7 +146,12 @@ class CheckpointLedger:
         self.steps.add(c.step)
 
     def latest(self) -> Checkpoint | None:
-        return self.store.latest_valid()
+        """The newest intact checkpoint, for the supervisor's bookkeeping (the epoch reached,
+        whether the run is complete). Asked four times between a worker's death and the next
+        one's start: a copy this process hashed already and whose files are unchanged is not
+        hashed again (the seconds of a large checkpoint's sha256, each time, on the cold
+        path); the worker that restores it hashes it itself."""
+        return self.store.latest_valid(cached=True)
 
     def latest_epoch(self) -> int:
         c = self.latest()

@@ -20,12 +20,11 @@ import os
 import shutil
 import sys
 import time
-import uuid
 
 from orchestrator.checkpoint import tiers
 from orchestrator.core import logs
 from orchestrator.core.osutil import read_json, sha256_file, write_json_atomic
-from orchestrator.core.rundir import EXIT_CONFIG, RunDir
+from orchestrator.core.rundir import EXIT_CONFIG, RunDir, export_staging, export_trash
 from orchestrator.core.spec import SpecError
 from orchestrator.core.specload import load
 from orchestrator.train import jobcode
@@ -108,7 +107,7 @@ def write(model, spec, checkpoint, out: str) -> dict:
         raise ExportError(f"{checkpoint.path}: the model's weights do not match the manifest's "
                           f"fingerprint; refusing to export them")
     final = os.path.abspath(out)
-    tmp = f"{final}.tmp-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    tmp = export_staging(final)
     os.makedirs(tmp)
     try:
         if not model.built and not _has_call(model) and all(
@@ -152,7 +151,7 @@ def write(model, spec, checkpoint, out: str) -> dict:
         }
         write_json_atomic(os.path.join(tmp, "export.json"), facts)
         if os.path.exists(final):
-            trash = f"{final}.trash-{uuid.uuid4().hex[:6]}"
+            trash = export_trash(final)
             os.rename(final, trash)
             shutil.rmtree(trash, ignore_errors=True)
         os.rename(tmp, final)
