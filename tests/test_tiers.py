@@ -332,14 +332,18 @@ def test_the_supervisors_bookkeeping_hashes_a_checkpoint_once_a_restore_every_ti
     """Between a worker's death and the next one's start the supervisor asks for the newest
     checkpoint four times (the run complete? the epoch reached, journaled, started from): an
     unchanged copy it hashed already is not hashed again. A restore always hashes; a copy
-    whose file changed is hashed again, and a rotten one is passed over."""
-    from orchestrator.checkpoint import store as store_module
+    whose blob changed is hashed again, and a rotten one is passed over."""
+    from orchestrator.checkpoint.blobset import BlobSet
     from orchestrator.supervise.ledger import CheckpointLedger
 
     hashed = []
-    real = store_module.sha256_file
-    monkeypatch.setattr(store_module, "sha256_file", lambda p: hashed.append(p) or real(p))
+    real = BlobSet.hashes_right
+    monkeypatch.setattr(BlobSet, "hashes_right", lambda self, h: hashed.append(h) or real(self, h))
     _commit(tiers, 1)
+    past = time.time() - 10  # written a while ago: not "racily clean" (BlobSet.vouched)
+    for root, _, files in os.walk(tiers.local.root):
+        for name in files:
+            os.utime(os.path.join(root, name), (past, past))
     ledger = CheckpointLedger(tiers, Journal(str(tmp_path / "events.jsonl")), console=None,
                               on_progress=lambda: None, on_scanned=lambda: None)
     assert ledger.latest().step == 1 and hashed  # the first look hashes it
@@ -349,6 +353,6 @@ def test_the_supervisors_bookkeeping_hashes_a_checkpoint_once_a_restore_every_ti
     assert hashed == []
     assert tiers.latest_valid().step == 1 and hashed  # a restore hashes again
     hashed.clear()
-    with open(os.path.join(tiers.local.path_for(1), "state.npz"), "r+b") as f:
+    with open(_blob(tiers.local, 1), "r+b") as f:
         f.write(b"X")  # same size; a new mtime
     assert ledger.latest() is None and hashed
