@@ -88,6 +88,13 @@ class CheckpointSpec:
     upload_backoff_max: float = 60.0
     # write checkpoints off the training thread (checkpoint/writer.py); false: in line
     background: bool = True
+    # what "durable" means for the durable tier (checkpoint/settle.py): auto (a write-back
+    # cache under /content/drive), writeback or none (settled at fsync)
+    durable_cache: str = "auto"
+    durable_max_bytes: int | None = None   # the durable tier's space cap (None: no cap)
+    writeback_quiet_s: float = 15.0        # a write-back cache uploads a file left alone this
+    writeback_bytes_per_s: float = 10e6    # long, at about this rate (until one is measured)
+    writeback_margin: float = 2.0
 
     @property
     def retention(self) -> Retention:

@@ -385,7 +385,7 @@ def _tensorboard(r: Reader, v, run_dir: str) -> TensorBoardSpec | None:
         every_steps=r.integer(c, "every_steps", "tensorboard.every_steps", _TB.every_steps, 0))
 
 
-CHECKPOINT_KEYS = keys(CheckpointSpec, nested=("upload_backoff", "keep_best"))
+CHECKPOINT_KEYS = keys(CheckpointSpec, nested=("upload_backoff", "keep_best", "writeback"))
 
 
 def _checkpoint_spec(r: Reader, c, name: str, run_dir: str) -> CheckpointSpec:
@@ -411,6 +411,9 @@ def _checkpoint_spec(r: Reader, c, name: str, run_dir: str) -> CheckpointSpec:
     if "upload_backoff" in c:
         b = r.mapping(c["upload_backoff"], "checkpoint.upload_backoff",
                       subkeys(CheckpointSpec, "upload_backoff"))
+    wb = {}
+    if "writeback" in c:
+        wb = r.mapping(c["writeback"], "checkpoint.writeback", subkeys(CheckpointSpec, "writeback"))
     return CheckpointSpec(
         every_epochs=r.integer(c, "every_epochs", "checkpoint.every_epochs", _CK.every_epochs, 1),
         keep=r.integer(c, "keep", "checkpoint.keep", _CK.keep, 1),
@@ -429,6 +432,16 @@ def _checkpoint_spec(r: Reader, c, name: str, run_dir: str) -> CheckpointSpec:
         upload_backoff_max=r.number(b, "max", "checkpoint.upload_backoff.max",
                                     _CK.upload_backoff_max, 0),
         background=r.boolean(c, "background", "checkpoint.background", _CK.background),
+        durable_cache=r.string(c, "durable_cache", "checkpoint.durable_cache", _CK.durable_cache,
+                               ("auto", "writeback", "none")),
+        durable_max_bytes=r.integer(c, "durable_max_bytes", "checkpoint.durable_max_bytes",
+                                    _CK.durable_max_bytes, 1),
+        writeback_quiet_s=r.number(wb, "quiet_s", "checkpoint.writeback.quiet_s",
+                                   _CK.writeback_quiet_s, 0),
+        writeback_bytes_per_s=r.number(wb, "bytes_per_s", "checkpoint.writeback.bytes_per_s",
+                                       _CK.writeback_bytes_per_s, 1),
+        writeback_margin=r.number(wb, "margin", "checkpoint.writeback.margin",
+                                  _CK.writeback_margin, 1),
     )
 
 

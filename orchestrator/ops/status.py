@@ -13,6 +13,7 @@ from orchestrator.core import heartbeat, hosts
 
 from orchestrator.ops import timeline
 from orchestrator.core.formatting import fmt_duration, fmt_metrics
+from orchestrator.checkpoint import settle
 from orchestrator.checkpoint.store import CheckpointStore
 from orchestrator.core.journal import Journal
 from orchestrator.core.lock import FILE as LOCK_FILE, RunLock
@@ -56,9 +57,11 @@ def run_status(run_dir: str, now: float | None = None) -> dict:
         durable_latest, durable_error = durable.latest_valid(), None
     except OSError as exc:
         durable_latest, durable_error = None, str(exc)
+    writeback = False
     try:  # the local tier is known from the run's job copy (and exists on its machine only)
-        local = CheckpointStore(load(rd.job_copy, run_dir=rd.root).checkpoint.local_dir)
-        local_latest = local.latest_valid()
+        ck = load(rd.job_copy, run_dir=rd.root).checkpoint
+        writeback = settle.policy_for(ck, rd.checkpoints).writeback
+        local_latest = CheckpointStore(ck.local_dir).latest_valid()
     except (SpecError, OSError):
         local_latest = None
     latest = max((c for c in (local_latest, durable_latest) if c), key=lambda c: c.step,
@@ -100,6 +103,8 @@ def run_status(run_dir: str, now: float | None = None) -> dict:
         "runtimes": [h.record(now) for h in hosts.hosts(outer)],
         "last_checkpoint": _checkpoint(latest),
         "checkpoints_by_tier": _tiers(events, durable_latest, local_latest),
+        "durable_settled": settle.standing(events, writeback,
+                                           durable_latest.step if durable_latest else None),
         "durable_unreachable_since": (durable_down["since"] if running and
                                       durable_down.get("ongoing") else None),
         "durable_error": durable_error,
@@ -220,6 +225,15 @@ def format_outage(o: dict) -> str:
     return text
 
 
+def format_settled(d: dict) -> str:
+    """The newest durable copy: only written (in the cache) or settled (in the cloud)."""
+    if d["settled"]:
+        return f"step {d['step']} settled ({d['how']})"
+    older = (f"; newest settled: step {d['newest_settled']}" if d.get("newest_settled")
+             is not None else "; no settled copy yet")
+    return f"step {d['step']} written, not settled yet{older}"
+
+
 def _count(items) -> dict[str, int]:
     out: dict[str, int] = {}
     for k in items:
@@ -298,6 +312,9 @@ def format_status(s: dict, now: float | None = None) -> str:
             continue
         age = f", {fmt_duration(now - c['committed_at'])} ago" if c.get("committed_at") else ""
         lines.append(f"  last checkpoint ({tier}): epoch {c['epoch']}, step {c['step']}{age}")
+    d = s.get("durable_settled") or {}
+    if d.get("policy") == settle.WriteBack.kind and d.get("step") is not None:
+        lines.append(f"  durable copy (write-back cache): {format_settled(d)}")
     if s.get("durable_unreachable_since"):
         lines.append(f"  durable tier unreachable for "
                      f"{fmt_duration(now - s['durable_unreachable_since'])}; training goes on")

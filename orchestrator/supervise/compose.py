@@ -20,6 +20,7 @@ from typing import Callable
 
 from orchestrator.checkpoint import tiers
 from orchestrator.checkpoint.mirror import DurableMirror, remount_hook
+from orchestrator.checkpoint.settle import Settling, policy_for
 from orchestrator.core.backends import ENV_BACKEND, KERAS_BACKEND_ENV
 from orchestrator.core.clock import Clock
 from orchestrator.core.events import Event
@@ -162,11 +163,14 @@ class Checkpoints:
                  clock: Clock):
         c = spec.checkpoint
         self.store = tiers.for_spec(spec)
+        self.settling = Settling(policy_for(c, self.store.durable.root), run_dir.journal,
+                                 self.store.durable.root, clock)
         self.mirror = DurableMirror(self.store, run_dir.journal, c.retention,
                                     c.upload_backoff_initial, c.upload_backoff_max,
                                     remount=remount or remount_hook(spec),
                                     hold=run_dir.lease.hold,
-                                    outage=run_dir.outage, clock=clock)
+                                    outage=run_dir.outage, clock=clock,
+                                    settling=self.settling, max_bytes=c.durable_max_bytes)
         self.ledger = CheckpointLedger(self.store, run_dir.journal, run_dir.console,
                                        on_progress=recovery.policy.progress,
                                        on_scanned=self.mirror.notify)
