@@ -33,7 +33,7 @@ from orchestrator.recovery import faults as faults_mod
 from orchestrator.recovery.actions import Remedies
 from orchestrator.recovery.policy import RecoveryPolicy
 from orchestrator.supervise.console import Progress
-from orchestrator.supervise.controlmirror import ControlMirror
+from orchestrator.supervise.controlmirror import SEGMENT_S, ControlMirror
 from orchestrator.supervise.lease import LeaseKeeper
 from orchestrator.supervise.ledger import CheckpointLedger
 from orchestrator.supervise.slot import WorkerSlot
@@ -88,7 +88,9 @@ class RunDirectory:
         self.lease = LeaseKeeper(self.lock, Lease(spec.lock_stale_after, clock), self.outage,
                                  self.journal, slot.hang, slot.signal,
                                  on_lost=lambda lost: slot.stop(), clock=clock)
-        self.control = ControlMirror(rd, self.outage, hold=self.lease.hold, clock=clock)
+        writeback = policy_for(spec.checkpoint, rd.checkpoints).writeback
+        self.control = ControlMirror(rd, self.outage, hold=self.lease.hold, clock=clock,
+                                     segment_s=SEGMENT_S if writeback else None)
 
     def take(self) -> dict | None:
         """Make the run directory and take its lock; the stale lock taken over, if any."""
