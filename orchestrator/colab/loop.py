@@ -197,13 +197,15 @@ class ColabLoop:
         p = self.plan
         args = [os.path.basename(p.job), "--run-dir", p.run_dir]
         while True:
+            # before the start: its supervisor reads the earlier runtimes' last steps there
+            # (checkpoint/lost.py)
+            self._publish(session)
             started = self._exec(session, remote.start(args, p.remote_env), 120)
             if started is None:
                 return self._setup_failed(session, "could not start the run there")
             self.policy.errors_in_row = 0
             self.journal.append(Event.REMOTE_RUN_STARTED, session=session,
                                 pid=started.get("pid"))
-            self._publish(session)
             log.info(f"`orchestrator run` started on {session} (pid {started.get('pid')})")
             state, found = self._follow(session)
             if state == LOCKED:
