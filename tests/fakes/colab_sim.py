@@ -436,7 +436,12 @@ def cmd_drive(args: list) -> int:
         deadline = time.time() + float(args[2])
         while (wb.read_state(HOME, name) or {}).get("flushed") != rid:
             state = wb.read_state(HOME, name) or {}
-            if time.time() > deadline or state.get("lost"):
+            if time.time() > deadline or not state.get("alive"):
+                if os.path.exists(request):  # called off: the sync goes on as before
+                    os.remove(request)
+                time.sleep(2 * wb.TICK_S)
+                if (wb.read_state(HOME, name) or {}).get("flushed") == rid:
+                    break
                 err(f"colab_sim: the flush of {name} did not end in {args[2]} s: {state}")
                 return 1
             time.sleep(0.05)

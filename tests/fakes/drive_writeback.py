@@ -285,6 +285,7 @@ class Sync:
             with open(flush_request_path(self.home, self.name)) as f:
                 rid = f.read().strip()
         except FileNotFoundError:
+            self.flush_id = None  # none asked, or called off
             return
         if rid and rid != self.flushed:
             self.flush_id = rid
