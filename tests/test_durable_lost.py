@@ -55,3 +55,9 @@ def test_goodput_charges_the_lost_training():
     assert a["useful_s"] == 100.0 - 40.0
     assert a["by_cause_s"]["durable_lost"] == 40.0
     assert a["lost_to_faults_s"] >= 40.0
+
+
+def test_a_state_file_that_reached_the_cloud_without_its_checkpoint_tells_the_loss():
+    states = [{"step": 1000, "written_at": 1100.0}, {"step": 1200, "written_at": 1250.0}]
+    lost = durable_lost([], [], _have(1000, committed_at=1100.0), states)
+    assert lost == {"steps": [1001, 1200], "lost_s": 150.0, "known_from": "state file"}

@@ -77,9 +77,6 @@ def _bytes_under(folder) -> int:
     return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
 
 
-@pytest.mark.xfail(strict=True, reason="issue 36: a copy counts as durable once it reads back "
-                   "through Drive's cache; after a recycle the cloud holds no journal and no "
-                   "complete checkpoint, and the run starts again from step 0")
 @pytest.mark.skipif(not namespaces_work(), reason="the simulator's runtimes need `unshare` "
                                                   "(root)")
 def test_a_recycled_runtime_resumes_from_what_the_cloud_holds_with_drives_write_back(

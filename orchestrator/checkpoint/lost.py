@@ -4,8 +4,9 @@ Why: on a write-back tier (checkpoint/settle.py) a checkpoint the old runtime wr
 back may never have been uploaded. The new runtime resumes from what the durable tier holds;
 the steps between that and the last progress known elsewhere were trained and are gone. Known
 elsewhere: the outer loop's journal (``orchestrator colab`` runs outside the runtime and
-records each runtime's last step, core/hosts.py) and the run's own journal where it reached the
-cloud. Journaled as ``durable_lost`` (steps N..M never reached Drive, ``lost_s``: the training
+records each runtime's last step, core/hosts.py), the run's own journal where it reached the
+cloud, and the small state files next to the checkpoints (checkpoint/settle.py), which reach it
+long before a large checkpoint does. Journaled as ``durable_lost`` (steps N..M never reached Drive, ``lost_s``: the training
 time they cost, which goodput charges, ops/timeline.py).
 """
 from __future__ import annotations
@@ -16,16 +17,21 @@ from orchestrator.core.events import Event
 _PROGRESS = (Event.CHECKPOINT_COMMITTED, Event.CHECKPOINT_WRITTEN, Event.CHECKPOINT_DURABLE)
 
 
-def durable_lost(events: list[dict], outer: list[dict], have) -> dict | None:
+def durable_lost(events: list[dict], outer: list[dict], have,
+                 states: list[dict] = ()) -> dict | None:
     """``{steps: [N, M], lost_s, known_from}`` when the last progress known (``events``: the
-    run's journal, ``outer``: the outer loop's) is past ``have`` (the newest checkpoint that
-    verifies here, or None); None when nothing was lost or it was journaled already."""
+    run's journal, ``outer``: the outer loop's, ``states``: the durable tier's state files) is
+    past ``have`` (the newest checkpoint that verifies here, or None); None when nothing was
+    lost or it was journaled already."""
     have_step = have.step if have is not None else 0
     known, known_ts, source = have_step, None, None
     for e in events:
         if e.get("event") in _PROGRESS and isinstance(e.get("step"), int) \
                 and e["step"] > known:
             known, known_ts, source = e["step"], e.get("ts"), "journal"
+    for rec in states:
+        if isinstance(rec.get("step"), int) and rec["step"] > known:
+            known, known_ts, source = rec["step"], rec.get("written_at"), "state file"
     runtime_started = None
     for h in hosts.hosts(outer):
         if h.step is not None and h.step > known and h.ended is not None:

@@ -196,7 +196,8 @@ def newest_checkpoint(root):
 def facts(p):
     # (bytes, the newest write) of a file or a folder's files
     size, last = 0, 0.0
-    for d, _, files in (os.walk(p) if os.path.isdir(p) else [(os.path.dirname(p), [], [os.path.basename(p)])]):
+    walk = os.walk(p) if os.path.isdir(p) else [(os.path.dirname(p), [], [os.path.basename(p)])]
+    for d, _, files in walk:
         for n in files:
             try:
                 st = os.stat(os.path.join(d, n))

@@ -413,7 +413,8 @@ def _checkpoint_spec(r: Reader, c, name: str, run_dir: str) -> CheckpointSpec:
                       subkeys(CheckpointSpec, "upload_backoff"))
     wb = {}
     if "writeback" in c:
-        wb = r.mapping(c["writeback"], "checkpoint.writeback", subkeys(CheckpointSpec, "writeback"))
+        wb = r.mapping(c["writeback"], "checkpoint.writeback",
+                       subkeys(CheckpointSpec, "writeback"))
     return CheckpointSpec(
         every_epochs=r.integer(c, "every_epochs", "checkpoint.every_epochs", _CK.every_epochs, 1),
         keep=r.integer(c, "keep", "checkpoint.keep", _CK.keep, 1),

@@ -32,6 +32,7 @@ import socket
 from watchdog.observers import Observer
 
 from orchestrator.checkpoint.lost import durable_lost
+from orchestrator.checkpoint.settle import history
 from orchestrator.core import heartbeat, hosts, logs
 from orchestrator.core.clock import SYSTEM, Clock
 from orchestrator.core.events import Event
@@ -312,7 +313,8 @@ class Supervisor:
         if not self.checkpoints.settling.policy.writeback:
             return  # a tier settled at fsync loses nothing to a cache
         outer = Journal(os.path.join(self.rd.root, hosts.FILE)).events()
-        lost = durable_lost(events, outer, self.ledger.latest())
+        lost = durable_lost(events, outer, self.ledger.latest(),
+                            history(self.checkpoints.store.durable.root))
         if lost:
             self.journal.append(Event.DURABLE_LOST, **lost)
             a, b = lost["steps"]
