@@ -181,3 +181,14 @@ def test_status_says_whether_the_newest_copy_is_written_or_settled(tmp_path):
                                     "how": None, "newest_settled": 20}
     assert "step 30 written, not settled yet; newest settled: step 20" in format_status(s, 1060)
     assert standing(Journal(str(run / "events.jsonl")).events(), False, 20)["settled"]
+
+
+def test_a_supervisor_restarted_on_the_same_machine_does_not_take_its_own_cache_for_the_cloud(
+        tiers, tmp_path):
+    m, journal, clock = _mirror(tiers, tmp_path)
+    _commit(tiers, 1)
+    m._pass()                                   # written by this machine, not settled
+    (tmp_path / "again").mkdir()
+    again, journal2, _ = _mirror(tiers, tmp_path / "again")
+    again._pass()
+    assert again.settling.pending() == [1] and again.settling.settled_steps() == set()

@@ -130,7 +130,7 @@ class DurableMirror:
             raise self.store.durable_error  # unreachable: keep what we knew, retry
         self._durable_ok = {c.step: c for c in listed
                             if self.store.durable.verify(c.path, cached=True) is None}
-        self.settling.seen(self._durable_ok, written_here(self.store.local.list()))
+        self.settling.seen(self._durable_ok, lambda: written_here(self.store.local.list()))
         for c in self.store.local.list():
             if c.step not in self._durable_ok:
                 unmark_durable(c)

@@ -144,9 +144,10 @@ class Settling:
         self._lock = threading.Lock()
 
     # ---------------------------------------------------------------- the mirror's hooks
-    def seen(self, present: dict, here: dict[int, float] | None = None) -> None:
+    def seen(self, present: dict, here=None) -> None:
         """The tier as listed now (step -> copy). The first listing settles what this machine
-        did not write (``here``: step -> when it wrote it); copies gone are forgotten."""
+        did not write (``here()``: step -> when it wrote it, asked once); copies gone are
+        forgotten."""
         with self._lock:
             for step in set(self.written) | set(self.settled):
                 if step not in present:
@@ -155,6 +156,7 @@ class Settling:
             if self._started:
                 return
             self._started = True
+            here = here() if callable(here) else here
             found = []
             for step, c in sorted(present.items()):
                 if here and step in here and self.policy.writeback:
