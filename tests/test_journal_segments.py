@@ -68,3 +68,15 @@ def test_a_rotation_cut_short_leaves_each_event_once(tmp_path):
                                         "wb") as g:
         g.write(f.read())  # the segment written, the live file not emptied yet
     assert _names(durable) == ["e0", "e1", "e2"]
+
+
+def test_status_reads_a_run_whose_live_journal_never_reached_the_cloud(tmp_path):
+    from orchestrator.ops.status import run_status
+
+    run = tmp_path / "run"
+    (run / "events").mkdir(parents=True)
+    (run / "events" / "000001.jsonl").write_text(
+        '{"ts": 1000, "event": "run_started", "epochs": 3}\n'
+        '{"ts": 1001, "event": "attempt_started", "attempt": 1}\n')
+    s = run_status(str(run), now=1010)
+    assert s["epochs"] == 3 and s["attempt"] == 1

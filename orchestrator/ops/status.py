@@ -15,7 +15,7 @@ from orchestrator.ops import timeline
 from orchestrator.core.formatting import fmt_duration, fmt_metrics
 from orchestrator.checkpoint import settle
 from orchestrator.checkpoint.store import CheckpointStore
-from orchestrator.core.journal import Journal
+from orchestrator.core.journal import Journal, segment_paths
 from orchestrator.core.lock import FILE as LOCK_FILE, RunLock
 from orchestrator.core.osutil import read_json
 from orchestrator.core.rundir import RunDir, rank_dir
@@ -27,7 +27,7 @@ from orchestrator.core.events import CHECKPOINTS, OUTAGE_EVENTS, RUN_DIR, Event
 def load_run(run_dir: str):
     """``(RunDir, events, running)`` of a run directory; FileNotFoundError if it is none."""
     rd = RunDir(os.path.abspath(run_dir))
-    if not os.path.isfile(rd.journal):
+    if not os.path.isfile(rd.journal) and not segment_paths(rd.journal):
         raise FileNotFoundError(f"{run_dir}: not a run directory (no events.jsonl)")
     lock = read_json(os.path.join(rd.root, LOCK_FILE))
     # a live owner, or one on another host not yet silent for long (a recycled VM's is)
