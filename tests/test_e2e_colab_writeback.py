@@ -125,7 +125,10 @@ def test_a_recycled_runtime_resumes_from_what_the_cloud_holds_with_drives_write_
                 p.wait()
     assert driver.returncode == 0, out
     assert reference.returncode == 0, ref_out
-    runtimes = hosts.hosts(Journal(str(local / hosts.FILE)).events())
+    outer = Journal(str(local / hosts.FILE)).events()
+    runtimes = hosts.hosts(outer)
+    flushed = [e for e in outer if e["event"] == Event.DRIVE_FLUSHED]
+    assert flushed and flushed[-1]["ok"], "Drive was not flushed before the runtime was stopped"
     assert [(h.session, h.why) for h in runtimes] == [(first, "lost"), (second, "completed")]
 
     # 1. the second runtime resumed from a checkpoint at most quiet + upload + one interval old
@@ -141,6 +144,10 @@ def test_a_recycled_runtime_resumes_from_what_the_cloud_holds_with_drives_write_
     assert mine[start]["event"] == Event.RUN_RESUMED, \
         "the second runtime found no journal in the cloud: the run's history was lost"
     ready = next(e for e in mine[start:] if e["event"] == Event.WORKER_READY)
+    settled = [e for e in mine[start:] if e["event"] == Event.CHECKPOINT_SETTLED]
+    assert settled and settled[0]["how"] == "mount", "the new mount settled what the cloud held"
+    for lost in (e for e in mine[start:] if e["event"] == Event.DURABLE_LOST):
+        assert lost["steps"][0] == ready["resumed_from_step"] + 1, lost
     assert ready["resumed_from_step"] >= max(e["step"] for e in owed) > 0, \
         (f"resumed from step {ready['resumed_from_step']}, although the checkpoint of step "
          f"{max(e['step'] for e in owed)} was durable at {recycled_at - owed[-1]['ts']:.1f} s "

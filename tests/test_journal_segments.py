@@ -80,3 +80,11 @@ def test_status_reads_a_run_whose_live_journal_never_reached_the_cloud(tmp_path)
         '{"ts": 1001, "event": "attempt_started", "attempt": 1}\n')
     s = run_status(str(run), now=1010)
     assert s["epochs"] == 3 and s["attempt"] == 1
+
+
+def test_another_journal_in_the_folder_never_reads_the_run_s_segments(tmp_path):
+    (tmp_path / "events").mkdir()
+    (tmp_path / "events" / "000001.jsonl").write_text('{"ts": 1, "event": "run_started"}\n')
+    Journal(str(tmp_path / "runtimes.jsonl")).append("runtime_requested")
+    assert _names(tmp_path / "runtimes.jsonl") == ["runtime_requested"]
+    assert _names(tmp_path / "events.jsonl") == ["run_started"]

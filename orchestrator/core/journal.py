@@ -26,11 +26,11 @@ from typing import Iterator
 
 log = logging.getLogger(__name__)
 
-SEGMENTS_DIR = "events"  # next to the journal file: its closed segments
-
-
 def segments_dir(path: str) -> str:
-    return os.path.join(os.path.dirname(path), SEGMENTS_DIR)
+    """Where the closed segments of the journal at ``path`` are: a folder named as the file
+    without its suffix (``events.jsonl`` -> ``events/``), so that another journal in the same
+    folder (the outer loop's ``runtimes.jsonl``) never reads them as its own."""
+    return os.path.splitext(path)[0]
 
 
 def segment_paths(path: str) -> list[str]:
