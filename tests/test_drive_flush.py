@@ -124,3 +124,14 @@ def test_the_notebook_s_end_of_a_run_on_colab_flushes_in_the_kernel(tmp_path, mo
         found = api.settle_drive(_run_dir(tmp_path), CheckpointSpec())
     assert calls == ["flush"] and found["settled"] == ["checkpoint", "export", "journal"]
     assert "Drive flushed" in caplog.text and "Drive is unmounted now" in caplog.text
+
+
+def test_orchestrator_run_from_the_command_line_leaves_drive_mounted(monkeypatch, tmp_path):
+    """`orchestrator colab` runs the CLI in a runtime and flushes from outside afterwards: a
+    flush by the CLI's run would unmount Drive before the export is brought home (seen)."""
+    from orchestrator import api, cli
+
+    seen = {}
+    monkeypatch.setattr(api, "run", lambda *a, **kw: seen.update(kw) or 0)
+    assert cli.main(["run", str(tmp_path / "job.yaml")]) == 0
+    assert seen["flush_drive"] is False
