@@ -118,6 +118,13 @@ def _cmd_doctor(args) -> int:
     return 1 if doctor.would_fail(checks) else 0
 
 
+def _cmd_schema(args) -> int:
+    from orchestrator.core.jobfile import json_schema
+
+    print(json.dumps(json_schema(), indent=2))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="orchestrator",
                                 description="Resilient Keras training on preemptible runtimes.")
@@ -167,6 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "job's model (faster, less certain)")
     d.add_argument("--json", action="store_true", help="machine-readable output")
     d.set_defaults(func=_cmd_doctor)
+    sub.add_parser("schema", help="print the JSON Schema of a job file (for an editor's YAML "
+                   "support)").set_defaults(func=_cmd_schema)
     return p
 
 

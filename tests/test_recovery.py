@@ -199,9 +199,9 @@ recovery:
 
 @pytest.mark.parametrize("text,line,key,expected", [
     ("recovery:\n  ladders:\n    oom: [restart]\n", 8, "recovery.ladders.oom", "unknown key"),
-    ("recovery:\n  ladders:\n    hang: [reboot]\n", 8, "recovery.ladders.hang",
+    ("recovery:\n  ladders:\n    hang: [reboot]\n", 8, "recovery.ladders.hang[0]",
      "expected actions from restart"),
-    ("recovery:\n  ladders:\n    hang: [{restart: 0}]\n", 8, "recovery.ladders.hang",
+    ("recovery:\n  ladders:\n    hang: [{restart: 0}]\n", 8, "recovery.ladders.hang[0]",
      "expected a count >= 1"),
     ("recovery:\n  reinstall_tensorflow: yes please\n", 7, "recovery.reinstall_tensorflow",
      "expected true or false"),

@@ -174,8 +174,9 @@ def test_exact_resume_keys_change_the_training_hash(write_job):
     ("learning_rate: my_job.rate", 17, "learning_rate", "expected 'module:function'"),
     ("learning_rate: 0.1", 17, "learning_rate", "expected a schedule mapping"),
     ("callbacks: early_stopping", 17, "callbacks", "expected a list"),
-    ("callbacks: [{early_stoping: {}}]", 17, "callbacks", "callbacks[0]: expected one of"),
-    ("callbacks: [{early_stopping: 3}]", 17, "callbacks", "expected a mapping of keyword"),
+    ("callbacks: [{early_stoping: {}}]", 17, "callbacks[0]", "expected one of early_stopping"),
+    ("callbacks: [{early_stopping: 3}]", 17, "callbacks[0]",
+     "early_stopping: expected a mapping of keyword"),
     ("callbacks: [my_job.make]", 17, "callbacks[0]", "expected 'module:function'"),
     ("checkpoint2: 1", 17, "checkpoint2", "unknown key"),
 ])
@@ -367,3 +368,69 @@ def test_an_unknown_backend_names_the_key_and_the_choices(write_job):
     with pytest.raises(SpecError) as e:
         load(job)
     assert "key 'backend'" in str(e.value) and "auto, tensorflow, jax" in str(e.value)
+
+
+THREE_MISTAKES = """\
+name: j
+model: m:build
+data: m:data
+epochs: ten
+batch_size: 32
+strategy: quantum
+hang_timout: 30
+"""
+
+
+def test_the_schema_and_the_doctor_both_name_the_three_mistakes_of_a_job_file(
+        write_job, capsys, monkeypatch):
+    """What an editor checking against `orchestrator schema` sees, the doctor says with the
+    file:line of each mistake."""
+    import json
+
+    import jsonschema
+    import yaml
+
+    from orchestrator.ops import doctor
+
+    assert cli_main(["schema"]) == 0
+    schema = json.loads(capsys.readouterr().out)
+    jsonschema.Draft202012Validator.check_schema(schema)
+    path = write_job(THREE_MISTAKES)
+
+    found = jsonschema.Draft202012Validator(schema).iter_errors(yaml.safe_load(THREE_MISTAKES))
+    where = sorted((".".join(map(str, e.absolute_path)), e.message) for e in found)
+    assert [key for key, _ in where] == ["", "epochs", "strategy"], where
+    assert "'hang_timout' was unexpected" in where[0][1]
+    monkeypatch.setattr(doctor, "check_runtime", lambda *a, **kw: [])  # the job's check only
+    job = next(c for c in doctor.run(path, run_probe=False) if c.name == "job")
+    assert job.level == doctor.FAIL
+    assert f"{path}:4: key 'epochs': expected an integer >= 1, got 'ten'" in job.detail
+    assert f"{path}:6: key 'strategy': expected one of auto, tpu, gpu, cpu" in job.detail
+    assert f"{path}:7: key 'hang_timout': unknown key" in job.detail
+
+
+def test_the_schema_describes_every_key_with_its_default(capsys):
+    import json
+
+    assert cli_main(["schema"]) == 0
+    schema = json.loads(capsys.readouterr().out)
+    restarts = schema["$defs"]["Restarts"]["properties"]
+    assert restarts["max"]["default"] == 3 and restarts["max"]["minimum"] == 0
+    assert restarts["max"]["description"]
+    checkpoint = schema["$defs"]["Checkpoint"]["properties"]
+    assert checkpoint["durable_cache"]["enum"] == ["auto", "writeback", "none"]
+    assert schema["additionalProperties"] is False
+    assert set(schema["required"]) == {"name", "model", "data", "epochs", "batch_size"}
+
+
+@pytest.mark.parametrize("value, ok", [("gs://bucket/runs", True), ("s3://b/p", True),
+                                       ("https://b/p", False), ("gs://", False), ("3", False)])
+def test_a_durable_url_is_gs_or_s3(write_job, value, ok):
+    path = write_job(VALID.replace("checkpoint: {every_epochs: 2, keep: 4}",
+                                   f"checkpoint: {{durable: '{value}', durable_cache: writeback}}"))
+    if ok:
+        c = load(path).checkpoint
+        assert (c.durable, c.durable_cache) == (value, "writeback")
+    else:
+        with pytest.raises(SpecError, match=r":15: key 'checkpoint.durable': expected a URL"):
+            load(path)

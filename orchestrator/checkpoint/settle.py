@@ -26,6 +26,7 @@ when the journal's newest lines never left the cache.
 from __future__ import annotations
 
 import glob
+import logging
 import os
 import re
 import threading
@@ -36,6 +37,8 @@ from orchestrator.core.clock import SYSTEM, Clock
 from orchestrator.core.events import Event
 from orchestrator.core.osutil import read_json, write_json_atomic
 from orchestrator.core.procid import boot_id
+
+log = logging.getLogger(__name__)
 
 DRIVE_ROOT = "/content/drive"
 STATE_SUFFIX = ".state.json"
@@ -173,8 +176,8 @@ class Settling:
         if self.policy.writeback:
             try:
                 write_state(self.root, c, now)
-            except OSError:
-                pass  # the next pass lists the tier again; the copy itself is what counts
+            except OSError as exc:  # the copy itself is what counts; this is a help
+                log.info(f"no state file next to step {c.step} in {self.root} ({exc})")
         with self._lock:
             self.settled.pop(c.step, None)
             if self.policy.writeback:
@@ -240,8 +243,10 @@ class Settling:
             self.settled.pop(step, None)
         try:
             os.remove(state_path(self.root, step))
-        except OSError:
-            pass  # absent (an immediate tier writes none) or the tier is down: harmless
+        except FileNotFoundError:
+            return  # an immediate tier writes none
+        except OSError as exc:  # the tier is down: an orphan state file is harmless
+            log.info(f"state file of step {step} left in {self.root} ({exc})")
 
 
 @dataclass(frozen=True)

@@ -93,6 +93,9 @@ class TieredStore:
     def verify(self, path: str) -> str | None:
         return self.local.verify(path)
 
+    def digest(self, path: str) -> str | None:
+        return self.local.digest(path)
+
     def latest_valid(self, on_skip: Callable[[Checkpoint, str], None] | None = None,
                      step: int | None = None) -> Checkpoint | None:
         """The newest checkpoint with a copy that verifies in either tier (only ``step``'s,

@@ -1,33 +1,23 @@
-"""Job spec: the validated dataclasses a job file becomes, with each field's default.
+"""Job spec: the frozen value a job file becomes, with the attribute API the rest of the code
+reads.
 
-``specload.load`` reads the YAML into them; every error names the file, the line, the key and
-what was expected, because the person reading it is usually looking at a notebook cell hours
-after they wrote the YAML. The loader imports this module, never the other way round: the
-classes and their defaults are what both the loader and every reader of a spec need.
+The job file's keys, their types, bounds, defaults and descriptions are declared once, in
+``jobfile.py``; each default here is read from there. ``specload.load`` validates a file against
+those models and builds these dataclasses; every error names the file, the line, the key and
+what was expected.
 """
 from __future__ import annotations
 
 import dataclasses
 import hashlib
 import json
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from orchestrator.core.jobfile import (  # noqa: F401 (the vocabularies, read from here too)
+    BUILTIN_CALLBACKS, CELL_MODULE, ENGINES, FACTORY_RE as _FACTORY_RE, SCHEDULES,
+    STANDBY_MODES, STRATEGIES, default)
 from orchestrator.core.retention import Retention
-from orchestrator.core.standbymode import StandbyMode
-
-
-STRATEGIES = ("auto", "tpu", "gpu", "cpu")
-SCHEDULES = ("step_decay", "cosine", "piecewise")  # SCHEDULE_PARAMS's keys, in this order
-BUILTIN_CALLBACKS = ("early_stopping", "reduce_lr_on_plateau", "terminate_on_nan")
-STANDBY_MODES = StandbyMode.SETTINGS
-ENGINES = ("local", "ray")  # who places the workers of a multi-worker job
-_FACTORY_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
-# The module name of the functions ``orchestrator.run(model=fn, data=fn, ...)`` carries by value
-# (core/cellcode.py): ``__cell__:build_model`` is no importable module, it names a function in
-# the job's ``code`` file.
-CELL_MODULE = "__cell__"
 
 
 class SpecError(Exception):
@@ -65,7 +55,7 @@ class Factory:
 
 @dataclass(frozen=True)
 class CompileSpec:
-    optimizer: Any = "adam"
+    optimizer: Any = default("compile.optimizer")
     loss: Any = None
     metrics: tuple = ()
 
@@ -74,27 +64,25 @@ class CompileSpec:
 class CheckpointSpec:
     """When to checkpoint, what to keep, and the two tiers (see ``tiers.py``)."""
 
-    every_epochs: int = 1
-    keep: int = 3
-    every_steps: int | None = None         # also commit mid-epoch every N steps ...
-    every_seconds: float | None = None     # ... and/or every T seconds
-    keep_every_epochs: int | None = None   # also keep one checkpoint every N epochs
-    keep_best: str | None = None           # also keep the best by this metric (e.g. val_loss)
-    keep_best_mode: str = "min"
+    every_epochs: int = default("checkpoint.every_epochs")
+    keep: int = default("checkpoint.keep")
+    every_steps: int | None = default("checkpoint.every_steps")
+    every_seconds: float | None = default("checkpoint.every_seconds")
+    keep_every_epochs: int | None = default("checkpoint.keep_every_epochs")
+    keep_best: str | None = None           # checkpoint.keep_best.metric
+    keep_best_mode: str = default("checkpoint.keep_best.mode")
     local_dir: str = ""                    # the fast tier; "" until load() fills the default
-    remount: str | None = None             # "colab" or module:function, called with the dir
-    flush_timeout: float = 600.0           # how long the end of a run waits for durable copies
-    upload_backoff_initial: float = 1.0
-    upload_backoff_max: float = 60.0
-    # write checkpoints off the training thread (checkpoint/writer.py); false: in line
-    background: bool = True
-    # what "durable" means for the durable tier (checkpoint/settle.py): auto (a write-back
-    # cache under /content/drive), writeback or none (settled at fsync)
-    durable_cache: str = "auto"
-    durable_max_bytes: int | None = None   # the durable tier's space cap (None: no cap)
-    writeback_quiet_s: float = 15.0        # a write-back cache uploads a file left alone this
-    writeback_bytes_per_s: float = 10e6    # long, at about this rate (until one is measured)
-    writeback_margin: float = 2.0
+    remount: str | None = default("checkpoint.remount")
+    flush_timeout: float = default("checkpoint.flush_timeout")
+    upload_backoff_initial: float = default("checkpoint.upload_backoff.initial")
+    upload_backoff_max: float = default("checkpoint.upload_backoff.max")
+    background: bool = default("checkpoint.background")
+    durable: str | None = default("checkpoint.durable")
+    durable_cache: str = default("checkpoint.durable_cache")   # checkpoint/settle.py
+    durable_max_bytes: int | None = default("checkpoint.durable_max_bytes")
+    writeback_quiet_s: float = default("checkpoint.writeback.quiet_s")
+    writeback_bytes_per_s: float = default("checkpoint.writeback.bytes_per_s")
+    writeback_margin: float = default("checkpoint.writeback.margin")
 
     @property
     def retention(self) -> Retention:
@@ -109,33 +97,6 @@ class LearningRateSpec:
     schedule: str | None = None
     params: dict = field(default_factory=dict)
     function: Factory | None = None
-
-
-# The parameters of each built-in ``learning_rate`` schedule, with their defaults: the loader's
-# keys and defaults (specload.py), the keyword arguments of train/schedules.py's functions.
-@dataclass(frozen=True)
-class StepDecayParams:
-    initial: float | None = None  # None: the optimizer's own rate
-    factor: float = 0.1
-    every: int = 1
-
-
-@dataclass(frozen=True)
-class CosineParams:
-    initial: float | None = None
-    minimum: float = 0.0
-    decay_epochs: int | None = None  # None: the epochs after the warm-up
-    warmup_epochs: int = 0
-
-
-@dataclass(frozen=True)
-class PiecewiseParams:
-    boundaries: tuple = ()
-    values: tuple = ()
-
-
-SCHEDULE_PARAMS = {"step_decay": StepDecayParams, "cosine": CosineParams,
-                   "piecewise": PiecewiseParams}
 
 
 @dataclass(frozen=True)
@@ -154,18 +115,16 @@ class TensorBoardSpec:
     epoch only). Steps are the run's global step, which continues across restarts."""
 
     dir: str = ""          # "" until load() fills <run_dir>/tensorboard; relative: to run_dir
-    every_steps: int = 100
+    every_steps: int = default("tensorboard.every_steps")
 
 
 @dataclass(frozen=True)
 class RestartSpec:
-    max: int = 3                     # failures of the job or the runtime since the last new checkpoint
-    preemptions: int | None = None   # kills from outside (preemptions); None: no limit
-    backoff_initial: float = 1.0
-    backoff_max: float = 60.0
-    backoff_multiplier: float = 2.0
-
-
+    max: int = default("restarts.max")
+    preemptions: int | None = default("restarts.preemptions")
+    backoff_initial: float = default("restarts.backoff.initial")
+    backoff_max: float = default("restarts.backoff.max")
+    backoff_multiplier: float = default("restarts.backoff.multiplier")
 
 
 @dataclass(frozen=True)
@@ -179,26 +138,26 @@ class Rung:
 
 @dataclass(frozen=True)
 class CrashLoopSpec:
-    same_failure: int = 3       # the same kind at the same step this many times in a row
-    failures: int = 4           # ... or this many failures
-    window_minutes: float = 10  # ... within this window, without a new checkpoint
+    same_failure: int = default("recovery.crash_loop.same_failure")
+    failures: int = default("recovery.crash_loop.failures")
+    window_minutes: float = default("recovery.crash_loop.window_minutes")
 
 
 @dataclass(frozen=True)
 class RecoverySpec:
     ladders: tuple = ()                 # ((kind, (Rung, ...)), ...) replacing the defaults
-    reinstall_tensorflow: bool = False  # opt-in: pip-reinstall the installed TF distribution
-    reinstall_max: int = 1              # per run
-    pip: tuple = ()                     # command prefix; () = (sys.executable, -m, pip)
-    pip_args: tuple = ()                # extra arguments to `pip install` (index, target)
-    tensorflow_distributions: tuple = ("tensorflow-tpu", "tensorflow", "tensorflow-cpu")
-    verify_import: str = "tensorflow"   # the module a fresh process imports to verify
-    halve_batch: bool = False           # on out_of_memory, halve the per-replica batch
-    min_batch_size: int = 1
-    strategy_fallback: bool = False     # TPU -> GPU -> CPU
-    wait_initial: float = 5.0           # wait_accelerator: probe backoff
-    wait_max: float = 60.0
-    wait_timeout: float = 600.0
+    reinstall_tensorflow: bool = default("recovery.reinstall_tensorflow")
+    reinstall_max: int = default("recovery.reinstall_max")
+    pip: tuple = default("recovery.pip")  # () = (sys.executable, -m, pip)
+    pip_args: tuple = default("recovery.pip_args")
+    tensorflow_distributions: tuple = default("recovery.tensorflow_distributions")
+    verify_import: str = default("recovery.verify_import")
+    halve_batch: bool = default("recovery.halve_batch")
+    min_batch_size: int = default("recovery.min_batch_size")
+    strategy_fallback: bool = default("recovery.strategy_fallback")
+    wait_initial: float = default("recovery.wait.initial")
+    wait_max: float = default("recovery.wait.max")
+    wait_timeout: float = default("recovery.wait.timeout")
     crash_loop: CrashLoopSpec = CrashLoopSpec()
 
     def ladder(self, kind: str):
@@ -230,30 +189,30 @@ class JobSpec:
     run_dir: str
     job_path: str
     job_dir: str
-    strategy: str = "auto"
-    seed: int = 0
+    strategy: str = default("strategy")
+    seed: int = default("seed")
     compile: CompileSpec | None = None
     checkpoint: CheckpointSpec = CheckpointSpec()
     restarts: RestartSpec = RestartSpec()
-    heartbeat_interval: float = 1.0
-    deterministic: bool = False
+    heartbeat_interval: float = default("heartbeat_interval")
+    deterministic: bool = default("deterministic")
     learning_rate: LearningRateSpec | None = None
     callbacks: tuple = ()
-    hang_timeout: float = 300.0      # no heartbeat for this long while training: a hang
-    startup_timeout: float = 1800.0  # ... before the first training heartbeat of an attempt
-    stop_grace: float = 10.0         # SIGTERM -> SIGKILL of a worker's process group
-    preempt_grace: float = 20.0      # SIGTERM -> emergency checkpoint and exit (spot VMs: ~30 s)
-    standby: str = StandbyMode.AUTO  # a warm standby worker: auto | on | off | import_only
-    probe_interval: float = 60.0     # accelerator probe period while an attempt runs
-    lock_stale_after: float = 120.0  # a lock silent this long may be taken over (another VM)
-    workers: int = 1                 # worker processes training together (MultiWorkerMirrored)
-    engine: str = "local"            # local: processes here; ray: placed by Ray (ENGINES)
-    address: str | None = None       # the Ray cluster (else RAY_ADDRESS, else a local Ray)
-    worker_resources: tuple = (("CPU", 1.0),)  # one Ray bundle per worker holds these
+    hang_timeout: float = default("hang_timeout")
+    startup_timeout: float = default("startup_timeout")
+    stop_grace: float = default("stop_grace")
+    preempt_grace: float = default("preempt_grace")
+    standby: str = default("standby")
+    probe_interval: float = default("probe_interval")
+    lock_stale_after: float = default("lock_stale_after")
+    workers: int = default("workers")
+    engine: str = default("engine")
+    address: str | None = default("address")
+    worker_resources: tuple = tuple(sorted(default("worker_resources").items()))
     recovery: RecoverySpec = RecoverySpec()
     tensorboard: TensorBoardSpec | None = None  # None: no TensorBoard logs (the default)
     code: CodeSpec | None = None     # the functions orchestrator.run(model=fn, ...) carried
-    backend: str = "auto"            # Keras's backend: auto | tensorflow | jax (core/backends.py)
+    backend: str = default("backend")  # resolved by load (core/backends.py): never "auto" there
 
     def training_relevant(self) -> dict:
         """What decides the trained model (not epochs, restarts, checkpoints or paths). The

@@ -190,6 +190,29 @@ def _offset_fn(tl: timeline.Timeline):
     return offset, starts
 
 
+def _fault_marks(c: Canvas, faults: list, y: float) -> None:
+    """A triangle for each fault at its x, its kind below where the label has room."""
+    end = -1e9
+    for x, f in faults:
+        c.marker("triangle", x, y, 11, FAULT_COLOUR,
+                 tip=f"attempt {f.attempt}: {f.kind}: {f.detail} -> {f.action}")
+        w = text_width(f.kind, 10)
+        if x - w / 2 >= end and x + w / 2 <= WIDTH:
+            c.text(x, y + 15, f.kind, 10, "middle", FAULT_COLOUR)
+            end = x + w / 2 + 6
+
+
+def _session_marks(c: Canvas, ax: Axes, sessions: list, xs: list, bases: list) -> None:
+    """A dotted rule where a later run resumed, and each supervisor's host (a runtime)."""
+    for x in xs[1:]:
+        c.line(x, ax.y, x, ax.y + ax.h, "#333333", 1.2, "6 3",
+               tip="a later `orchestrator run` resumed the run (time away is not shown)")
+    for s, x, base in zip(sessions, xs, bases):
+        if s.host:
+            c.text(x + 3, ax.y + ax.h - 4, f"on {s.host}", 9, "start", MUTED,
+                   tip=f"a supervisor on host {s.host} from {fmt_duration(base)}")
+
+
 def _timeline(tl: timeline.Timeline) -> str:
     offset, starts = _offset_fn(tl)
     total = sum(s.ended - s.started for s in tl.sessions)
@@ -221,26 +244,13 @@ def _timeline(tl: timeline.Timeline) -> str:
             c.marker("tick", ax.px(offset(e["ts"]) / scale), ax.py(rows["checkpoints"]), 14,
                      CAUSE_COLOURS["useful"], tip=f"checkpoint committed: epoch "
                      f"{e.get('epoch')}, step {e.get('step')}")
-    end = -1e9
-    for f in tl.faults:
-        x = ax.px(offset(f.ts) / scale)
-        c.marker("triangle", x, ax.py(rows["faults"]), 11, FAULT_COLOUR,
-                 tip=f"attempt {f.attempt}: {f.kind}: {f.detail} -> {f.action}")
-        w = text_width(f.kind, 10)
-        if x - w / 2 >= end and x + w / 2 <= WIDTH:
-            c.text(x, ax.py(rows["faults"]) + 15, f.kind, 10, "middle", FAULT_COLOUR)
-            end = x + w / 2 + 6
+    _fault_marks(c, [(ax.px(offset(f.ts) / scale), f) for f in tl.faults],
+                 ax.py(rows["faults"]))
     for ts, ev, detail in tl.markers:
         c.marker("cross", ax.px(offset(ts) / scale), ax.py(rows["recoveries"]), 8, "#7b4173",
                  tip=f"{ev}: {detail}")
-    for _, _, base in starts[1:]:
-        x = ax.px(base / scale)
-        c.line(x, ax.y, x, ax.y + ax.h, "#333333", 1.2, "6 3",
-               tip="a later `orchestrator run` resumed the run (time away is not shown)")
-    for s, (_, _, base) in zip(tl.sessions, starts):  # each supervisor's host (a runtime)
-        if s.host:
-            c.text(ax.px(base / scale) + 3, ax.y + ax.h - 4, f"on {s.host}", 9, "start", MUTED,
-                   tip=f"a supervisor on host {s.host} from {fmt_duration(base)}")
+    _session_marks(c, ax, tl.sessions, [ax.px(base / scale) for _, _, base in starts],
+                   [base for _, _, base in starts])
     ticks = [t for t in nice_ticks(0, total / scale, 8) if t <= total / scale]
     ax.x_axis(ticks, f"supervised time ({unit}); time with no supervisor running is left out",
               grid=False)
@@ -303,9 +313,8 @@ def _rows(rows) -> str:
                    for r in rows)
 
 
-def render_html(s: dict, tl: timeline.Timeline, charts: dict, now: float) -> str:
-    esc = html.escape
-    offset, _ = _offset_fn(tl)
+def _summary(s: dict) -> list[tuple[str, str]]:
+    """The summary table's rows: what ``status`` says, in words."""
     summary = [
         ("state", s["state"]),
         ("epoch", f"{s['epoch']}/{s['epochs']} (step {s['step']})"),
@@ -335,6 +344,13 @@ def render_html(s: dict, tl: timeline.Timeline, charts: dict, now: float) -> str
         summary.append(("failure", "; ".join(
             f"{k}: {', '.join(map(str, v)) if isinstance(v, list) else v}"
             for k, v in s["failure"].items())))
+    return summary
+
+
+def render_html(s: dict, tl: timeline.Timeline, charts: dict, now: float) -> str:
+    esc = html.escape
+    offset, _ = _offset_fn(tl)
+    summary = _summary(s)
     faults = [(fmt_duration(offset(f.ts)), f.attempt, f.kind, f.detail, f.action)
               for f in tl.faults]
     attempts = [(a.n, a.session + 1, a.from_epoch, a.epoch if a.epoch is not None else "-",

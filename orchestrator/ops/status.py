@@ -50,20 +50,7 @@ def run_status(run_dir: str, now: float | None = None) -> dict:
     tl = timeline.build(events, running=running, now=now)
     outer = Journal(os.path.join(rd.root, hosts.FILE)).events()  # `orchestrator colab`'s
     acct = timeline.account(tl, hosts.span(outer, now))
-    epochs_total = next((e.get("epochs") for e in reversed(events)
-                         if e["event"] in timeline.SESSION_START), None)
-    durable = CheckpointStore(rd.checkpoints)  # the run directory's: the durable tier
-    try:
-        durable_latest, durable_error = durable.latest_valid(), None
-    except OSError as exc:
-        durable_latest, durable_error = None, str(exc)
-    writeback = False
-    try:  # the local tier is known from the run's job copy (and exists on its machine only)
-        ck = load(rd.job_copy, run_dir=rd.root).checkpoint
-        writeback = settle.policy_for(ck, rd.checkpoints).writeback
-        local_latest = CheckpointStore(ck.local_dir).latest_valid()
-    except (SpecError, OSError):
-        local_latest = None
+    durable_latest, durable_error, local_latest, writeback = _latest_checkpoints(rd)
     latest = max((c for c in (local_latest, durable_latest) if c), key=lambda c: c.step,
                  default=None)
     durable_down = (outages(events, now, CHECKPOINTS) or [{}])[-1]
@@ -72,22 +59,17 @@ def run_status(run_dir: str, now: float | None = None) -> dict:
         last, "stopped")  # stopped: interrupted or stopped; `run` resumes it
     hb = heartbeat.read(rd.control)
     current = tl.attempts[-1] if tl.attempts else None
-    live = None
-    if running and hb and current and hb.get("attempt") == current.n:
-        live = {"epoch": hb.get("epoch"), "batch": hb.get("batch"),
-                "steps_per_epoch": current.steps_per_epoch, "phase": hb.get("phase")}
     failed = [a for a in tl.attempts if a.failed]
-    completed = next((e for e in reversed(events) if e["event"] == Event.RUN_COMPLETED), None)
-    run_failed = next((e for e in reversed(events) if e["event"] == Event.RUN_FAILED), None)
+    completed, run_failed = _last(events, Event.RUN_COMPLETED), _last(events, Event.RUN_FAILED)
     return {
         "run_dir": rd.root,
         "name": info.get("name") or os.path.basename(rd.root),
         "state": state,
         "attempt": current.n if current else 0,
         "epoch": latest.epoch if latest else 0,
-        "epochs": epochs_total,
+        "epochs": (_last(events, *timeline.SESSION_START) or {}).get("epochs"),
         "step": latest.step if latest else 0,
-        "live": live,
+        "live": _live(hb, current) if running else None,
         "attempts": len(tl.attempts),
         "failed_attempts": len(failed),
         "restarts": sum(1 for e in events if e["event"] == Event.RESTART),
@@ -109,8 +91,7 @@ def run_status(run_dir: str, now: float | None = None) -> dict:
                                       durable_down.get("ongoing") else None),
         "durable_error": durable_error,
         "run_dir_outages": outages(events, now),
-        "workers": next((e.get("workers") for e in reversed(events)
-                         if e["event"] == Event.ATTEMPT_STARTED), None),
+        "workers": (_last(events, Event.ATTEMPT_STARTED) or {}).get("workers"),
         "ranks": ranks(rd, events, now),
         "backend": _backend(info, events),
         "last_error": _last_error(failed, run_failed),
@@ -120,9 +101,42 @@ def run_status(run_dir: str, now: float | None = None) -> dict:
         "heartbeat_age_s": round(now - hb["time"], 1) if hb and running else None,
         "supervisor": read_json(os.path.join(rd.root, LOCK_FILE)),
         "weights_sha256": completed.get("weights_sha256") if completed else None,
-        "metrics": next((e.get("metrics") for e in reversed(events)
-                         if e["event"] == Event.EPOCH_COMPLETED), None),
+        "metrics": (_last(events, Event.EPOCH_COMPLETED) or {}).get("metrics"),
     }
+
+
+def _last(events: list[dict], *kinds: str) -> dict | None:
+    """The last event of one of ``kinds``, or None."""
+    return next((e for e in reversed(events) if e["event"] in kinds), None)
+
+
+def _latest_checkpoints(rd) -> tuple:
+    """The latest valid checkpoint of the durable tier (or why it cannot be read), and of the
+    local tier, known from the run's job copy (and existing on its machine only); and whether
+    the durable tier is a write-back cache (checkpoint/settle.py)."""
+    durable = CheckpointStore(rd.checkpoints)  # the run directory's: the durable tier
+    try:
+        durable_latest, durable_error = durable.latest_valid(), None
+    except OSError as exc:
+        durable_latest, durable_error = None, str(exc)
+    try:
+        ck = load(rd.job_copy, run_dir=rd.root).checkpoint
+    except (SpecError, OSError):
+        return durable_latest, durable_error, None, False  # no job copy: nothing more known
+    try:
+        local_latest = CheckpointStore(ck.local_dir).latest_valid()
+    except OSError:
+        local_latest = None
+    return durable_latest, durable_error, local_latest, settle.policy_for(
+        ck, rd.checkpoints).writeback
+
+
+def _live(hb: dict | None, current) -> dict | None:
+    """Where the live attempt is, from its heartbeat (None: the heartbeat is another's)."""
+    if not (hb and current and hb.get("attempt") == current.n):
+        return None
+    return {"epoch": hb.get("epoch"), "batch": hb.get("batch"),
+            "steps_per_epoch": current.steps_per_epoch, "phase": hb.get("phase")}
 
 
 def format_budgets(b: dict) -> str:

@@ -119,28 +119,56 @@ def error_line(error: dict | None) -> str | None:
 def build(events: list[dict], running: bool = False, now: float | None = None) -> Timeline:
     """Sessions, attempts, faults from the journal. ``running``: the last session is live."""
     now = time.time() if now is None else now
-    sessions: list[Session] = []
-    attempts: dict[int, Attempt] = {}
-    current: Attempt | None = None
-    markers, epochs = [], []
+    r = _Reading()
     for e in events:
+        r.read(e)
+    r.close(running, now)
+    faults = [FaultMark(ts=a.ended, attempt=a.n, kind=a.kind,
+                        action="; ".join(a.actions) or "none",
+                        detail=error_line(a.error) or a.how)
+              for a in r.attempts.values() if a.failed]
+    return Timeline(sessions=r.sessions, attempts=list(r.attempts.values()), faults=faults,
+                    markers=r.markers, epochs=r.epochs, events=events)
+
+
+class _Reading:
+    """The journal read in order: the sessions, attempts, markers and epochs so far."""
+
+    def __init__(self):
+        self.sessions: list[Session] = []
+        self.attempts: dict[int, Attempt] = {}
+        self.current: Attempt | None = None
+        self.markers: list = []
+        self.epochs: list = []
+
+    def read(self, e: dict) -> None:
         ev, ts = e.get("event"), e.get("ts", 0.0)
         if ev in SESSION_START:
-            if sessions and sessions[-1].how == "open":
-                _close(sessions[-1], current)
-            sessions.append(Session(started=ts, ended=ts, how="open", host=e.get("host")))
-            current = None
-            continue
-        if not sessions:
-            sessions.append(Session(started=ts, ended=ts, how="open"))
-        s = sessions[-1]
+            if self.sessions and self.sessions[-1].how == "open":
+                _close(self.sessions[-1], self.current)
+            self.sessions.append(Session(started=ts, ended=ts, how="open", host=e.get("host")))
+            self.current = None
+            return
+        if not self.sessions:
+            self.sessions.append(Session(started=ts, ended=ts, how="open"))
+        s = self.sessions[-1]
         if s.how == "open":
             s.ended = max(s.ended, ts)
+        if not self._attempt_event(ev, e, ts, s):
+            self._recovery_event(ev, e, ts)
+        if ev in SESSION_END and s.how == "open":
+            s.how = {Event.RUN_COMPLETED: "completed", Event.RUN_FAILED: "failed",
+                     Event.SUPERVISOR_STOPPED: "stopped"}[ev]
+            s.ended = ts
+
+    def _attempt_event(self, ev, e: dict, ts: float, s: Session) -> bool:
+        """An attempt's start, readiness, first step, commit, epoch or end; False: none."""
+        attempts, current = self.attempts, self.current
         if ev == Event.ATTEMPT_STARTED:
-            current = Attempt(n=e["attempt"], started=ts, session=len(sessions) - 1,
-                              from_epoch=e.get("from_epoch", 0))
-            attempts[current.n] = current
-            s.attempts.append(current)
+            self.current = Attempt(n=e["attempt"], started=ts, session=len(self.sessions) - 1,
+                                   from_epoch=e.get("from_epoch", 0))
+            attempts[self.current.n] = self.current
+            s.attempts.append(self.current)
         elif ev == Event.WORKER_READY and e.get("attempt") in attempts:
             a = attempts[e["attempt"]]
             a.ready, a.steps_per_epoch = ts, e.get("steps_per_epoch")
@@ -149,59 +177,60 @@ def build(events: list[dict], running: bool = False, now: float | None = None) -
         elif ev in CHECKPOINT_EVENTS and current is not None and current.ended is None:
             current.last_commit = ts
         elif ev == Event.EPOCH_COMPLETED:
-            epochs.append(e)
+            self.epochs.append(e)
         elif ev == Event.ATTEMPT_ENDED and e.get("attempt") in attempts:
             a = attempts[e["attempt"]]
             a.ended, a.exit_code, a.signal = ts, e.get("exit_code"), e.get("signal")
             a.kind, a.error, a.epoch = kind_of(e), e.get("error"), e.get("epoch")
             a.how = _how(e)
-        elif ev == Event.RECOVERY:
-            a = attempts.get(e.get("attempt"))
+        else:
+            return False
+        return True
+
+    def _recovery_event(self, ev, e: dict, ts: float) -> None:
+        """What the supervisor did about a failure, and the faults and takeovers it noted."""
+        if ev == Event.RECOVERY:
+            a = self.attempts.get(e.get("attempt"))
             if a is not None:
                 a.kind = e.get("kind") or a.kind
                 if e.get("action") != "restart":  # a restart is told by its restart event
                     a.actions.append(" ".join(str(x) for x in (e.get("action"), e.get("detail"))
                                               if x))
-            markers.append((ts, ev, f"{e.get('kind')}: {e.get('action')}"))
+            self.markers.append((ts, ev, f"{e.get('kind')}: {e.get('action')}"))
         elif ev == Event.RESTART:
-            a = attempts.get(e.get("after_attempt"))
+            a = self.attempts.get(e.get("after_attempt"))
             if a is not None and not any(x.startswith("restart") for x in a.actions):
                 a.actions.append(f"restart in {e.get('delay_s', 0):.3g} s")
         elif ev == Event.RUN_FAILED:
-            a = attempts.get(e.get("last_attempt"))
+            a = self.attempts.get(e.get("last_attempt"))
             if a is not None:
                 a.kind = e.get("kind") or a.kind or Kind.UNKNOWN
                 a.actions.append("gave up: " + (e.get("reason") or ""))
         elif ev in (Event.FAULT_INJECTED, Event.HANG_DETECTED, Event.LOCK_TAKEN_OVER,
                     Event.ORPHAN_WORKER_KILLED, Event.PROCESS_LEFT_ALONE):
             detail = e.get("fault") or e.get("kind") or e.get("reason") or ""
-            markers.append((ts, ev, str(detail)))
-        if ev in SESSION_END and s.how == "open":
-            s.how = {Event.RUN_COMPLETED: "completed", Event.RUN_FAILED: "failed",
-                     Event.SUPERVISOR_STOPPED: "stopped"}[ev]
-            s.ended = ts
-    if sessions and sessions[-1].how == "open":
-        if running:
-            sessions[-1].how, sessions[-1].ended = "running", max(now, sessions[-1].ended)
-        else:
-            _close(sessions[-1], current)
-    for s in sessions:
-        for a in s.attempts:
-            if a.ended is None and s.how != "running":
-                a.ended = s.ended
-                if s.how == "stopped":
-                    a.kind, a.how = a.kind or "stopped", "stopped with the supervisor"
-                else:
-                    a.kind = a.kind or Kind.KILLED
-                    a.how = "the supervisor vanished (VM recycled or killed)"
-                    a.actions.append("resumed by the next `orchestrator run`"
-                                     if s is not sessions[-1] else "none yet: run it again")
-    faults = [FaultMark(ts=a.ended, attempt=a.n, kind=a.kind,
-                        action="; ".join(a.actions) or "none",
-                        detail=error_line(a.error) or a.how)
-              for a in attempts.values() if a.failed]
-    return Timeline(sessions=sessions, attempts=list(attempts.values()), faults=faults,
-                    markers=markers, epochs=epochs, events=events)
+            self.markers.append((ts, ev, str(detail)))
+
+    def close(self, running: bool, now: float) -> None:
+        """The last session live or closed; an attempt no end was journalled for ended with
+        its session: stopped with the supervisor, or lost with it."""
+        sessions = self.sessions
+        if sessions and sessions[-1].how == "open":
+            if running:
+                sessions[-1].how, sessions[-1].ended = "running", max(now, sessions[-1].ended)
+            else:
+                _close(sessions[-1], self.current)
+        for s in sessions:
+            for a in s.attempts:
+                if a.ended is None and s.how != "running":
+                    a.ended = s.ended
+                    if s.how == "stopped":
+                        a.kind, a.how = a.kind or "stopped", "stopped with the supervisor"
+                    else:
+                        a.kind = a.kind or Kind.KILLED
+                        a.how = "the supervisor vanished (VM recycled or killed)"
+                        a.actions.append("resumed by the next `orchestrator run`"
+                                         if s is not sessions[-1] else "none yet: run it again")
 
 
 def _how(ended: dict) -> str:
