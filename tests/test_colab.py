@@ -368,7 +368,7 @@ def test_the_outer_journal_is_copied_into_the_run_directory_each_time_a_run_star
     cli.exec = exec_
     loop, clock, out = _loop(tmp_path, cli)
     assert loop.run() == 0
-    assert len(written) == 2  # when the run started, and at the end
+    assert len(written) == 2  # before the run starts (its supervisor reads it), and at the end
     assert f"/content/drive/MyDrive/runs/digits/{hosts.FILE}" in written[-1]
     assert Event.OUTER_ENDED in written[-1]
     assert os.path.isfile(loop.journal.path) and Journal(loop.journal.path).events()

@@ -201,7 +201,10 @@ TIERS = VALID.replace("checkpoint: {every_epochs: 2, keep: 4}", """checkpoint:
   local_dir: ~/fast/ckpt
   remount: colab
   flush_timeout: 30
-  upload_backoff: {initial: 0.5, max: 8}""")
+  upload_backoff: {initial: 0.5, max: 8}
+  durable_cache: writeback
+  durable_max_bytes: 5000000000
+  writeback: {quiet_s: 12, bytes_per_s: 20000000, margin: 3}""")
 
 
 def test_checkpoint_tiers_and_retention_keys(write_job, tmp_path):
@@ -211,6 +214,8 @@ def test_checkpoint_tiers_and_retention_keys(write_job, tmp_path):
     assert (c.flush_timeout, c.upload_backoff_initial, c.upload_backoff_max) == (30, 0.5, 8)
     r = c.retention
     assert (r.keep, r.every_epochs, r.best_metric, r.best_mode) == (2, 5, "val_accuracy", "max")
+    assert (c.durable_cache, c.durable_max_bytes) == ("writeback", 5_000_000_000)
+    assert (c.writeback_quiet_s, c.writeback_bytes_per_s, c.writeback_margin) == (12, 2e7, 3)
 
 
 def test_default_local_tier_is_per_run_and_stable(write_job, tmp_path):
@@ -232,6 +237,12 @@ def test_default_local_tier_is_per_run_and_stable(write_job, tmp_path):
     ("local_dir: ~/fast/ckpt", "local_dir: RUN/checkpoints", "checkpoint.local_dir",
      "the durable tier"),
     ("flush_timeout: 30", "flush_timeout: later", "checkpoint.flush_timeout", "expected a number"),
+    ("durable_cache: writeback", "durable_cache: lazy", "checkpoint.durable_cache",
+     "expected one of auto, writeback, none"),
+    ("durable_max_bytes: 5000000000", "durable_max_bytes: 0", "checkpoint.durable_max_bytes",
+     "expected an integer >= 1"),
+    ("margin: 3}", "margin: 0.5}", "checkpoint.writeback.margin", "expected a number >= 1"),
+    ("margin: 3}", "margin: 3, delay: 1}", "checkpoint.writeback.delay", "unknown key"),
 ])
 def test_checkpoint_key_errors(write_job, tmp_path, old, new, key, expected):
     path = write_job(TIERS.replace(old, new.replace("RUN", str(tmp_path / "r"))))

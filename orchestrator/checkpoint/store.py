@@ -69,6 +69,14 @@ class Checkpoint:
         return self.epoch >= epochs or bool(self.manifest.get("stopped_early"))
 
     @property
+    def nbytes(self) -> int:
+        """The state's bytes as its manifest states them: its files and every chunk of every
+        array, shared with other checkpoints or not (what a restore reads)."""
+        files = self.manifest.get("files") or {}
+        return (sum(int(m.get("size") or 0) for m in files.values() if isinstance(m, dict))
+                + sum(n for r in self.array_refs.values() for _, n in r.chunks))
+
+    @property
     def array_refs(self) -> dict[str, blobs.ArrayRef]:
         return {k: blobs.ArrayRef.from_json(v)
                 for k, v in (self.manifest.get("arrays") or {}).items()}

@@ -81,7 +81,11 @@ class CheckpointSpec:
     upload_backoff_max: float = default("checkpoint.upload_backoff.max")
     background: bool = default("checkpoint.background")
     durable: str | None = default("checkpoint.durable")
-    durable_cache: str = default("checkpoint.durable_cache")
+    durable_cache: str = default("checkpoint.durable_cache")   # checkpoint/settle.py
+    durable_max_bytes: int | None = default("checkpoint.durable_max_bytes")
+    writeback_quiet_s: float = default("checkpoint.writeback.quiet_s")
+    writeback_bytes_per_s: float = default("checkpoint.writeback.bytes_per_s")
+    writeback_margin: float = default("checkpoint.writeback.margin")
 
     @property
     def retention(self) -> Retention:

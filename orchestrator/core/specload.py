@@ -237,6 +237,6 @@ def _checkpoint(job: JobFile, run_dir: str, path: str, lines: dict) -> Checkpoin
         raise SpecError(path, _line(lines, key), key, problem)
     best = c.keep_best
     return CheckpointSpec(**dict(
-        _flat(c, ("upload_backoff",)), local_dir=local,
+        _flat(c, ("upload_backoff", "writeback")), local_dir=local,
         keep_best=best.metric if best else None,
         keep_best_mode=best.mode if best else CheckpointSpec.keep_best_mode))

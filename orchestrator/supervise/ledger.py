@@ -30,20 +30,6 @@ from orchestrator.core.journal import Journal
 log = logging.getLogger(__name__)
 
 
-def state_bytes(manifest: dict) -> int | None:
-    """The state's size: the bytes of the arrays and files a checkpoint's manifest names (what a restore
-    reads into host memory, and a capture copies out of the device). The standby's memory rule
-    counts it (standby_policy.memory_allows)."""
-    files, arrays = manifest.get("files"), manifest.get("arrays")
-    if not isinstance(files, dict):
-        return None
-    size = sum(int(m.get("size") or 0) for m in files.values() if isinstance(m, dict))
-    if isinstance(arrays, dict):  # format 2: every chunk of every array, shared or not
-        size += sum(int(n) for a in arrays.values() if isinstance(a, dict)
-                    for _, n in a.get("chunks") or ())
-    return size
-
-
 class CheckpointLedger:
     def __init__(self, store: TieredStore, journal: Journal, console,
                  on_progress: Callable[[], None], on_scanned: Callable[[], None]):
@@ -141,7 +127,7 @@ class CheckpointLedger:
                             batch=c.manifest.get("batch", 0), step=c.step, path=c.path,
                             weights_sha256=c.manifest.get("weights_sha256"),
                             state_sha256=c.manifest.get("state_sha256"),
-                            state_bytes=state_bytes(c.manifest),
+                            state_bytes=c.nbytes,  # the standby's memory rule counts it
                             bytes_written=c.manifest.get("bytes_written"))
         self.steps.add(c.step)
 

@@ -31,9 +31,12 @@ import socket
 
 from watchdog.observers import Observer
 
-from orchestrator.core import heartbeat, logs
+from orchestrator.checkpoint.lost import durable_lost
+from orchestrator.checkpoint.settle import history
+from orchestrator.core import heartbeat, hosts, logs
 from orchestrator.core.clock import SYSTEM, Clock
 from orchestrator.core.events import Event
+from orchestrator.core.journal import Journal
 from orchestrator.core.lock import LockLost
 from orchestrator.core.rundir import ENV_RESTORE_STEP, EXIT_LOCK_LOST, EXIT_STOPPED, RunDir
 from orchestrator.core.spec import JobSpec
@@ -329,8 +332,22 @@ class Supervisor:
                             job=self.spec.job_path, epochs=self.spec.epochs, pid=os.getpid(),
                             host=socket.gethostname())
         self.ledger.scan()
+        self._durable_lost(events)
         log.info(f"{'resuming' if resumed else 'starting'} run '{self.spec.name}' in "
                  f"{self.rd.root} at epoch {self.ledger.latest_epoch()}/{self.spec.epochs}")
+
+    def _durable_lost(self, events: list[dict]) -> None:
+        """Say what a recycled runtime's cache took with it (checkpoint/lost.py)."""
+        if not self.checkpoints.settling.policy.writeback:
+            return  # a tier settled at fsync loses nothing to a cache
+        outer = Journal(os.path.join(self.rd.root, hosts.FILE)).events()
+        lost = durable_lost(events, outer, self.ledger.latest(),
+                            history(self.checkpoints.store.durable.root))
+        if lost:
+            self.journal.append(Event.DURABLE_LOST, **lost)
+            a, b = lost["steps"]
+            log.warning(f"steps {a}..{b} never reached {self.rd.checkpoints} (known from the "
+                        f"{lost['known_from']}): they are trained again from step {a - 1}")
 
     def _journal_ended(self, outcome: Outcome, error: dict | None, kind: str,
                        signature: str | None, layer: str | None) -> None:
