@@ -190,7 +190,7 @@ def test_the_mirror_uploads_only_the_blobs_the_durable_tier_lacks(tmp_path):
     assert (first["blobs_uploaded"], first["blobs_reused"]) == (3, 0)
     assert (second["blobs_uploaded"], second["blobs_reused"]) == (2, 1)
     manifest = os.path.getsize(os.path.join(tiers.durable.path_for(2), "manifest.json"))
-    assert second["bytes_uploaded"] == head + manifest
+    assert second["bytes_uploaded"] == head + manifest and second["manifest_bytes"] == manifest
     assert first["bytes_uploaded"] >= whole
     assert _disk_bytes(tmp_path / "drive") == whole + head
     for c in tiers.durable.list():

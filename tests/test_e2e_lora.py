@@ -121,4 +121,6 @@ def test_the_lora_job_resumes_bit_identical_and_checkpoints_what_lora_trains(bac
     durable = [e for e in ref_events if e["event"] == "checkpoint_durable"]
     assert len(durable) >= 2 and "bytes_uploaded" in durable[1], durable[:2]
     changed = sizes["trainable"] + sizes["optimizer"]
-    assert durable[1]["bytes_uploaded"] <= NEW_BYTES_RATIO * changed, (durable[1], sizes)
+    # give or take the manifest (its variables' description and the history: tens of KB)
+    new_bytes = durable[1]["bytes_uploaded"] - durable[1]["manifest_bytes"]
+    assert new_bytes <= NEW_BYTES_RATIO * changed, (durable[1], sizes)

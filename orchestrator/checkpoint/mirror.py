@@ -257,7 +257,8 @@ class DurableMirror:
                             upload_s=round(self.clock.time() - t0, 3),
                             bytes_uploaded=copied["bytes_uploaded"],
                             blobs_uploaded=copied["blobs_uploaded"],
-                            blobs_reused=copied["blobs_reused"])
+                            blobs_reused=copied["blobs_reused"],
+                            manifest_bytes=copied.get("manifest_bytes"))
         self._reachable()
 
     def _reachable(self) -> None:

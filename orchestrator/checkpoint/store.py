@@ -200,6 +200,7 @@ class CheckpointStore:
                 facts["bytes_uploaded"] += int(manifest["files"][name]["size"])
             self.place.write_bytes(f"{tmp}/{MANIFEST}", mbytes)
             facts["bytes_uploaded"] += len(mbytes)
+            facts["manifest_bytes"] = len(mbytes)
             return mbytes
 
         final = self._commit_dir(source.step, fill)
