@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+import ckarrays
 from helpers import ROOT, fake_commands, fake_env
 from drivefaults import DriveFaults
 from orchestrator import cli
@@ -143,12 +144,14 @@ def test_corrupt_newest_checkpoint_in_both_tiers_is_skipped_not_a_crash_loop(fak
     assert rc == 0
     store = tiers.for_spec(load(job))
     for tier in (store.local, store.durable):
-        with open(os.path.join(tier.path_for(20), "state.npz"), "r+b") as f:
+        c20 = next(c for c in tier.list() if c.step == 20)
+        with open(ckarrays.blob_path(c20), "r+b") as f:
             f.write(b"#")
     rc, out, events = _run(fake_job(epochs=4, extra="checkpoint: {keep: 5}"), {})
     assert rc == 0, out
     skipped = [e for e in events if e["event"] == "checkpoint_skipped"]
-    assert {(e["step"], e["reason"]) for e in skipped} == {(20, "state.npz: checksum mismatch")}
+    assert {(e["step"], e["reason"]) for e in skipped} == {
+        (20, f"blob {ckarrays.blob_hash(c20)} of model.0000: checksum mismatch")}
     assert len(skipped) == 2  # both copies, once, by the one attempt that then went on
     started = [e for e in events if e["event"] == "attempt_started"]
     assert [e["from_epoch"] for e in started] == [0, 1]  # the second run: from epoch 1

@@ -7,7 +7,9 @@ import sys
 
 import pytest
 
+import ckarrays
 from helpers import ROOT
+from orchestrator.checkpoint import blobs
 from orchestrator.recovery import faults
 from orchestrator.checkpoint.store import CheckpointStore
 from orchestrator.core.journal import Journal
@@ -144,10 +146,8 @@ def test_raise_builds_the_real_exception_with_a_catalogue_message():
 
 
 def _commit(store, step, epoch=None):
-    def payload(d):
-        with open(os.path.join(d, "state.npz"), "wb") as f:
-            f.write(b"x" * 64 + str(step).encode())
-    return store.commit(step, payload, {"epoch": epoch or step})
+    return store.commit(step, None, {"epoch": epoch or step},
+                        arrays=ckarrays.arrays_of("x" * 64 + str(step)))
 
 
 def test_corrupt_checkpoint_makes_that_checkpoint_fail_verification(tmp_path):
@@ -194,6 +194,8 @@ def test_kill_at_checkpoint_dies_after_the_payload_and_before_the_rename(tmp_pat
     store = CheckpointStore(str(tmp_path / "ck"))
     assert [c.step for c in store.list()] == [1]
     tmp = [d for d in os.listdir(tmp_path / "ck") if d.startswith(".tmp-0000000002")]
-    assert len(tmp) == 1 and os.listdir(tmp_path / "ck" / tmp[0]) == ["state.npz"]
+    assert len(tmp) == 1 and os.listdir(tmp_path / "ck" / tmp[0]) == ["refs"]  # no manifest
+    named = (tmp_path / "ck" / tmp[0] / "refs").read_text().split()
+    assert len(named) == 1 and os.path.exists(tmp_path / "ck" / blobs.blob_key(named[0]))
     record = json.loads((tmp_path / "faults" / "kill_checkpoint_2.json").read_text())
     assert record["step"] == 2 and record["tmp"].endswith(tmp[0])

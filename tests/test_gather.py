@@ -6,16 +6,16 @@ here: real tiers in a folder, a fake actor. The actor on a real node is the e2e 
 import os
 from types import SimpleNamespace
 
+import ckarrays
+
 from orchestrator.checkpoint.store import Retention
 from orchestrator.core.journal import Journal
 from orchestrator.supervise.rayengine import NodeMirror, durable_steps, gather_from
 
 
 def _commit(store, step):
-    def write(d):
-        with open(os.path.join(d, "state.npz"), "wb") as f:
-            f.write(f"step {step}".encode() * 1000)
-    store.commit(step, write, {"epoch": 1, "batch": step, "metrics": {}})
+    store.commit(step, None, {"epoch": 1, "batch": step, "metrics": {}},
+                 arrays=ckarrays.arrays_of(f"step {step}", repeat=1000))
 
 
 def _node(tmp_path):

@@ -81,8 +81,8 @@ def _check_complete(job, run, out, epochs):
     final = store.latest_valid()
     assert final is not None and final.epoch == epochs
     assert store.verify(final.path) is None
-    with open(os.path.join(final.path, "state.npz"), "rb") as f:
-        assert f.read() == f"weights after epoch {epochs}".encode()  # the uninterrupted run's
+    weights = store.read_arrays(final.path)["model.0000"].tobytes()
+    assert weights == f"weights after epoch {epochs}".encode()  # the uninterrupted run's
     return events
 
 

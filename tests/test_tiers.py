@@ -6,6 +6,7 @@ import time
 
 import pytest
 
+import ckarrays
 from drivefaults import DriveFaults
 from orchestrator.checkpoint.store import COMMIT_MARKER, CheckpointStore, Retention
 from orchestrator.core.journal import Journal
@@ -13,17 +14,17 @@ from orchestrator.checkpoint.mirror import DurableMirror
 from orchestrator.checkpoint.tiers import TieredStore, is_durable
 
 
-def _payload(text):
-    def write(d):
-        with open(os.path.join(d, "state.npz"), "wb") as f:
-            f.write(text.encode() * 1000)
-    return write
+def _arrays(text):
+    return ckarrays.arrays_of(text, repeat=1000)
 
 
 def _commit(store, step, epoch=None, metrics=None):
-    return store.commit(step, _payload(f"step {step}"),
-                        {"epoch": epoch if epoch is not None else step, "batch": 0,
-                         "metrics": metrics or {}})
+    return store.commit(step, None, {"epoch": epoch if epoch is not None else step, "batch": 0,
+                                     "metrics": metrics or {}}, arrays=_arrays(f"step {step}"))
+
+
+def _blob(store, step):
+    return ckarrays.blob_path(store.list()[[c.step for c in store.list()].index(step)])
 
 
 @pytest.fixture
@@ -82,7 +83,7 @@ def test_retention_counts_only_verified_checkpoints(tmp_path):
     for s in (1, 2, 3, 4):
         _commit(store, s)
     for s in (3, 4):  # the two newest are corrupt: the last 2 verified are 1 and 2
-        with open(os.path.join(store.path_for(s), "state.npz"), "r+b") as f:
+        with open(_blob(store, s), "r+b") as f:
             f.write(b"XX")
     store.retain(2)
     assert [c.step for c in store.list()] == [1, 2, 3, 4]  # nothing newer than 2 is deleted
@@ -91,12 +92,12 @@ def test_retention_counts_only_verified_checkpoints(tmp_path):
 
 def test_local_retention_never_deletes_a_checkpoint_that_is_not_durable(tiers):
     for s in range(1, 6):
-        tiers.commit(s, _payload(str(s)), {"epoch": s}, keep=2)
+        tiers.commit(s, None, {"epoch": s}, keep=2, arrays=_arrays(str(s)))
     assert [c.step for c in tiers.local.list()] == [1, 2, 3, 4, 5]  # none is durable yet
     from orchestrator.checkpoint.tiers import mark_durable
     for c in tiers.local.list()[:2]:
         mark_durable(c, "elsewhere")
-    tiers.commit(6, _payload("6"), {"epoch": 6}, keep=2)
+    tiers.commit(6, None, {"epoch": 6}, keep=2, arrays=_arrays("6"))
     assert [c.step for c in tiers.local.list()] == [3, 4, 5, 6]
 
 
@@ -109,14 +110,15 @@ def test_restore_takes_the_newest_copy_that_verifies_in_either_tier(tiers, tmp_p
     assert m.flush(30) == []
     m.stop()
     # newest: local copy corrupt, durable copy fine -> the durable copy of step 3
-    with open(os.path.join(tiers.local.path_for(3), "state.npz"), "r+b") as f:
+    h = ckarrays.blob_hash(tiers.local.list()[-1])
+    with open(_blob(tiers.local, 3), "r+b") as f:
         f.write(b"X")
     skipped = []
     got = tiers.latest_valid(on_skip=lambda c, why: skipped.append((c.path, why)))
     assert got.path == tiers.durable.path_for(3)
-    assert skipped == [(tiers.local.path_for(3), "state.npz: checksum mismatch")]
+    assert skipped == [(tiers.local.path_for(3), f"blob {h} of model.0000: checksum mismatch")]
     # and the durable copy of 3 truncated after its commit -> step 2, never a broken one
-    with open(os.path.join(tiers.durable.path_for(3), "state.npz"), "r+b") as f:
+    with open(_blob(tiers.durable, 3), "r+b") as f:
         f.truncate(100)
     skipped.clear()
     got = tiers.latest_valid(on_skip=lambda c, why: skipped.append((c.step, why)))
@@ -193,7 +195,7 @@ def test_a_hung_durable_tier_never_blocks_a_local_commit(tiers, tmp_path):
 
         def train():
             for s in (2, 3, 4):
-                tiers.commit(s, _payload(str(s)), {"epoch": s}, keep=2)
+                tiers.commit(s, None, {"epoch": s}, keep=2, arrays=_arrays(str(s)))
             done.set()
 
         threading.Thread(target=train, daemon=True).start()
@@ -240,25 +242,26 @@ def test_slow_durable_tier_still_flushes_everything_due(tiers, tmp_path):
 
 
 def test_a_copy_that_does_not_read_back_is_retried(tiers, tmp_path, monkeypatch):
-    import orchestrator.checkpoint.store as ck
+    from orchestrator.checkpoint.places import LocalPlace
     m, journal = _mirror(tiers, tmp_path)
-    real = ck.shutil.copyfile
+    real = LocalPlace.write_file
     broken = {"left": 1}
 
-    def copy_then_rot(src, dst):  # Drive keeps a different byte than was written, once
-        real(src, dst)
-        if dst.endswith("state.npz") and broken["left"]:
+    def copy_then_rot(place, key, src):  # Drive keeps a different byte than was written, once
+        real(place, key, src)
+        if key.startswith("blobs/") and broken["left"]:
             broken["left"] -= 1
-            with open(dst, "r+b") as f:
+            with open(place.path(key), "r+b") as f:
                 f.write(b"?")
-    monkeypatch.setattr(ck.shutil, "copyfile", copy_then_rot)
+    monkeypatch.setattr(LocalPlace, "write_file", copy_then_rot)
     _commit(tiers, 1)
     m.start()
     assert m.flush(30) == []
     m.stop()
     assert _durable_verified(tiers) == [1]
     down = _events(journal, "durable_unreachable")
-    assert "does not verify after the copy: state.npz: checksum mismatch" in down[0]["error"]
+    assert "does not verify after the copy: blob " in down[0]["error"]
+    assert "of model.0000: checksum mismatch" in down[0]["error"]
 
 
 def test_a_local_copy_that_rots_during_its_upload_leaves_no_durable_copy(tiers, tmp_path,
@@ -266,16 +269,16 @@ def test_a_local_copy_that_rots_during_its_upload_leaves_no_durable_copy(tiers, 
     """The local copy verified, then its bytes changed while they were copied (a fault flipping
     them; a failing disk): the durable copy read back bad. It was left in the durable tier, and a
     restore met it and skipped it beside the bad local one (seen in the suite)."""
-    import orchestrator.checkpoint.store as ck
+    from orchestrator.checkpoint.places import LocalPlace
     m, journal = _mirror(tiers, tmp_path)
-    real = ck.shutil.copyfile
+    real = LocalPlace.write_file
 
-    def rot_then_copy(src, dst):
-        if src.endswith("state.npz"):
+    def rot_then_copy(place, key, src):
+        if key.startswith("blobs/"):
             with open(src, "r+b") as f:
                 f.write(b"#")
-        real(src, dst)
-    monkeypatch.setattr(ck.shutil, "copyfile", rot_then_copy)
+        real(place, key, src)
+    monkeypatch.setattr(LocalPlace, "write_file", rot_then_copy)
     _commit(tiers, 1)
     m.start()
     assert m.flush(30) == []
@@ -288,7 +291,7 @@ def test_a_corrupt_local_copy_is_never_uploaded_and_a_recommit_is(tiers, tmp_pat
     m, journal = _mirror(tiers, tmp_path)
     _commit(tiers, 1)
     c2 = _commit(tiers, 2)
-    with open(os.path.join(c2.path, "state.npz"), "r+b") as f:
+    with open(ckarrays.blob_path(c2), "r+b") as f:
         f.write(b"#")
     m.start()
     assert m.flush(30) == []

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import errno
 import importlib
-import shutil
 import sys
 import threading
 from typing import Callable
@@ -128,8 +127,12 @@ class DurableMirror:
         """step -> a verified copy (local preferred), without touching the durable tier."""
         out = dict(self._durable_ok)
         for c in self.store.local.list():
-            if _identity(c) not in self._bad_local and self.store.local.verify(
-                    c.path, cached=True) is None:
+            if _identity(c) in self._bad_local:
+                # a recommit of the step wrote its bad blobs again: the same directory verifies
+                if self.store.local.verify(c.path) is not None:
+                    continue
+                self._bad_local.discard(_identity(c))
+            if self.store.local.verify(c.path, cached=True) is None:
                 out[c.step] = c
         return out
 
@@ -212,12 +215,15 @@ class DurableMirror:
 
     def _upload(self, c: Checkpoint) -> None:
         t0 = self.clock.time()
-        reason = self.store.local.verify(c.path)
+        reason = self.store.local.verify(c.path, cached=True)  # what this process hashed once
         if reason is not None:
             raise _SourceGone(f"local copy {c.path} does not verify: {reason}")
         try:
             d = self.store.durable.commit_copy(c)
-            reason = self.store.durable.verify(d.path)  # read back: only a verified copy counts
+            copied = self.store.durable.last_copy
+            # read back: only a verified copy counts (the blobs it had already were read back
+            # when they were uploaded; their sizes are checked)
+            reason = self.store.durable.verify(d.path, rehash=copied["uploaded"])
         except OSError:
             if self.store.local.verify(c.path) is not None:
                 raise _SourceGone(f"local copy {c.path} changed during the upload") from None
@@ -225,7 +231,7 @@ class DurableMirror:
         if reason is not None:
             # never verified, so nothing counts on it: left there, a restore would meet it and
             # skip it (seen: a local copy that changed during its upload)
-            shutil.rmtree(d.path, ignore_errors=True)
+            self.store.durable.remove(d)
             if self.store.local.verify(c.path) is not None:
                 raise _SourceGone(f"local copy {c.path} changed during the upload")
             raise OSError(errno.EIO, f"the durable copy does not verify after the copy: {reason}",
@@ -233,7 +239,10 @@ class DurableMirror:
         self._durable_ok[c.step] = d
         mark_durable(c, d.path, verified_at=round(self.clock.time(), 3))
         self.journal.append(Event.CHECKPOINT_DURABLE, step=c.step, epoch=c.epoch, path=d.path,
-                            upload_s=round(self.clock.time() - t0, 3))
+                            upload_s=round(self.clock.time() - t0, 3),
+                            bytes_uploaded=copied["bytes_uploaded"],
+                            blobs_uploaded=copied["blobs_uploaded"],
+                            blobs_reused=copied["blobs_reused"])
         self._reachable()
 
     def _reachable(self) -> None:
@@ -285,7 +294,7 @@ class DurableMirror:
         if self.store.durable_error is None:
             for step, c in sorted(self._durable_ok.items()):
                 if step not in due and step < newest:
-                    shutil.rmtree(c.path, ignore_errors=True)
+                    self.store.durable.remove(c)
                     del self._durable_ok[step]
                     removed["durable"].append(step)
         local = [c for c in self.store.local.list() if c.step in verified]
@@ -294,10 +303,12 @@ class DurableMirror:
             if c.step in recent or c.step >= newest:
                 continue
             if is_durable(c) or c.step not in due:
-                shutil.rmtree(c.path, ignore_errors=True)
+                self.store.local.remove(c)
                 removed["local"].append(c.step)
         for tier, steps in removed.items():
             if steps:
+                # the blobs no kept checkpoint names (a commit in flight keeps its own)
+                getattr(self.store, tier).collect_blobs()
                 self.journal.append(Event.CHECKPOINTS_RETIRED, tier=tier, steps=steps)
 
 

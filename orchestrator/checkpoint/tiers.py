@@ -51,10 +51,11 @@ class TieredStore:
         return self.local.root
 
     # ---------------------------------------------------------------- write side (worker)
-    def commit(self, step: int, write_payload: Callable[[str], None], manifest: dict,
-               keep: "int | Retention | None" = None) -> Checkpoint:
-        """Commit to the local tier; the supervisor's mirror makes it durable."""
-        c = self.local.commit(step, write_payload, manifest)
+    def commit(self, step: int, write_payload: Callable[[str], None] | None, manifest: dict,
+               keep: "int | Retention | None" = None, **arrays) -> Checkpoint:
+        """Commit to the local tier (``arrays``, ``refs``: CheckpointStore.commit's); the
+        supervisor's mirror makes it durable."""
+        c = self.local.commit(step, write_payload, manifest, **arrays)
         if keep:
             self.local.retain(as_retention(keep))
         return c
@@ -93,6 +94,10 @@ class TieredStore:
     def verify(self, path: str) -> str | None:
         return self.local.verify(path)
 
+    def read_arrays(self, c: Checkpoint):
+        """The arrays of ``c``, from the tier that holds it."""
+        return (c.tier or self.local).read_arrays(c.path)
+
     def latest_valid(self, on_skip: Callable[[Checkpoint, str], None] | None = None,
                      step: int | None = None) -> Checkpoint | None:
         """The newest checkpoint with a copy that verifies in either tier (only ``step``'s,
@@ -102,7 +107,7 @@ class TieredStore:
             if step is not None and s != step:
                 continue
             for c in cs:
-                reason = self.local.verify(c.path)
+                reason = (c.tier or self.local).verify(c.path)
                 if reason is None:
                     return c
                 if on_skip:

@@ -48,6 +48,7 @@ import time
 from dataclasses import dataclass
 
 from orchestrator.recovery import failures
+from orchestrator.checkpoint.blobs import blob_key
 from orchestrator.checkpoint.store import COMMIT_MARKER
 from orchestrator.checkpoint.tiers import DURABLE_MARKER
 from orchestrator.core.osutil import read_json, write_json_atomic
@@ -296,7 +297,7 @@ class _FaultyStore:
             e = build_exception("storage")
             raise type(e)(*e.args, self._store.root)
 
-    def commit(self, step, write_payload, manifest, keep=None):
+    def commit(self, step, write_payload, manifest, keep=None, **arrays):
         self._check_storage()
         if self._at_commit:
             n = self._inj.count_commit()
@@ -305,21 +306,25 @@ class _FaultyStore:
                 inner = write_payload
 
                 def write_payload(d, inner=inner):  # noqa: F811 - the wrapped writer
-                    inner(d)
-                    for f in due:
+                    if inner is not None:
+                        inner(d)
+                    for f in due:  # the blobs are written, the manifest not yet
                         if self._inj._claim(f, step=step, tmp=d):
                             self._inj._fire(f)
-        c = self._store.commit(step, write_payload, manifest, keep=keep)
+        c = self._store.commit(step, write_payload, manifest, keep=keep, **arrays)
         self._inj.after_commit(c)
         return c
 
 
 def corrupt_payload(path: str) -> str | None:
-    """Flip bytes in the middle of the first payload file of a checkpoint directory."""
-    for name in sorted(os.listdir(path)):
-        if name in ("manifest.json", COMMIT_MARKER, DURABLE_MARKER):
-            continue
-        p = os.path.join(path, name)
+    """Flip bytes in the middle of the first blob a checkpoint names (format 1: of its first
+    payload file)."""
+    arrays = (read_json(os.path.join(path, "manifest.json")) or {}).get("arrays") or {}
+    first = next((r["chunks"][0][0] for _k, r in sorted(arrays.items()) if r["chunks"]), None)
+    names = [os.path.join(os.path.dirname(path), blob_key(first))] if first else [
+        os.path.join(path, n) for n in sorted(os.listdir(path))
+        if n not in ("manifest.json", COMMIT_MARKER, DURABLE_MARKER, "refs")]
+    for p in names:
         size = os.path.getsize(p)
         with open(p, "r+b") as f:
             f.seek(size // 2)

@@ -14,7 +14,7 @@ import keras
 import numpy as np
 
 from orchestrator.train import holders, state
-from orchestrator.checkpoint import writer
+from orchestrator.checkpoint import blobs, writer
 from orchestrator.checkpoint.store import CheckpointStore
 from orchestrator.checkpoint.writer import CheckpointWriter
 from orchestrator.core.heartbeat import HeartbeatWriter, Phase, Position
@@ -380,9 +380,10 @@ class CheckpointCallback(keras.callbacks.Callback):
             return
 
         def write():  # in the writer's thread: nothing here reads the live model
-            manifest["weights_sha256"], manifest["state_sha256"] = snapshot.fingerprints(arrays)
-            store.commit(step, lambda d: state.save_arrays(d, arrays, extra), manifest,
-                         keep=keep)
+            everything = {**arrays, **extra}
+            refs = blobs.hash_arrays(everything)  # once: the blobs' names and the fingerprints
+            manifest["weights_sha256"], manifest["state_sha256"] = snapshot.fingerprints(refs)
+            store.commit(step, None, manifest, keep=keep, arrays=everything, refs=refs)
 
         self.writer.submit(step, write, stall_ms=waited + capture_ms, reason=reason,
                            wait_ms=waited, capture_ms=capture_ms)

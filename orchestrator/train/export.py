@@ -61,7 +61,7 @@ def export(run_dir: str, out: str | None = None) -> dict:
         model(x, training=False)
     if model.optimizer is not None:
         model.optimizer.build(model.trainable_variables)
-    state.restore(model, state.load_arrays(latest.path), latest.manifest.get("holders"))
+    state.restore(model, state.load_arrays(latest), latest.manifest.get("holders"))
     return write(model, spec, latest, out or rd.export)
 
 

@@ -4,13 +4,15 @@ The state is every variable of every holder ``holders.discover`` finds: the mode
 (weights, BatchNorm statistics and the Dropout seed-generator states, which ``model.variables``
 includes and ``tf.train.Checkpoint`` leaves out), ``model.optimizer``'s (iterations, learning
 rate, slots), every other optimizer the model holds (a GAN's two), seed generators and metrics
-Keras's tracking misses, saved in order to one ``.npz`` file under keys ``<group>.<index>``. The
+Keras's tracking misses, saved in order as content-addressed blobs (checkpoint/blobs.py, format
+2 of docs/checkpoint-format.md) under keys ``<group>.<index>``. The
 manifest names each group (``holders``: where, class, count, what an optimizer was built over),
 so that a changed model is refused naming the group that is missing or extra. Why
 not ``tf.train.Checkpoint``: reading values to host arrays makes a checkpoint independent of the
-strategy that wrote it (8 TPU replicas restore on 1 CPU and back), it is one file (Drive is slow
-with many), and it can be verified and fingerprinted without TensorFlow. ``np.load`` runs with
-``allow_pickle=False``: a checkpoint is data, never code.
+strategy that wrote it (8 TPU replicas restore on 1 CPU and back), an unchanged array (a frozen
+layer) is stored once per tier, and it can be verified and fingerprinted without TensorFlow. A
+checkpoint is raw bytes named by a manifest (format 1's ``.npz`` is read with
+``allow_pickle=False``): data, never code.
 
 A mid-epoch checkpoint also holds the metric state (``model.metrics_variables``: running sums
 and counts of the epoch so far), so that the resumed epoch still reports metrics over the whole
@@ -23,7 +25,8 @@ import threading
 
 import numpy as np
 
-from orchestrator.checkpoint.store import STATE_FILE, weights_fingerprint
+from orchestrator.checkpoint import blobs
+from orchestrator.checkpoint.store import Checkpoint, CheckpointStore
 from orchestrator.train import backends, holders
 
 
@@ -103,13 +106,13 @@ def restore_metrics(model, arrays: dict[str, np.ndarray]) -> bool:
     return True
 
 
-def save(model, directory: str, extra: dict[str, np.ndarray] | None = None) -> None:
-    np.savez(os.path.join(directory, STATE_FILE), **capture(model), **(extra or {}))
-
-
-def load_arrays(directory: str) -> dict[str, np.ndarray]:
-    with np.load(os.path.join(directory, STATE_FILE), allow_pickle=False) as z:
-        return {k: z[k] for k in z.files}
+def load_arrays(checkpoint: "Checkpoint | str") -> dict[str, np.ndarray]:
+    """The arrays of a checkpoint (or of the checkpoint directory at a path), read from the
+    tier that holds it and checked against their hashes as they are read."""
+    if isinstance(checkpoint, Checkpoint) and checkpoint.tier is not None:
+        return checkpoint.tier.read_arrays(checkpoint.path)
+    path = checkpoint.path if isinstance(checkpoint, Checkpoint) else checkpoint
+    return CheckpointStore(os.path.dirname(os.path.abspath(path))).read_arrays(path)
 
 
 def _saved_groups(arrays: dict[str, np.ndarray]) -> dict[str, list[str]]:
@@ -270,27 +273,23 @@ class Snapshot:
                 values = [v.numpy() for v in variables]
             return {k: np.array(a, copy=True) for k, a in zip(self.keys, values)}
 
-    def fingerprints(self, arrays: dict[str, np.ndarray]) -> tuple[str, str]:
-        """(weights sha256, state sha256) of a snapshot, equal to ``fingerprint(model)`` and
-        ``state_fingerprint(model)`` of the model it was taken from (computed off the training
-        thread)."""
-        return (weights_fingerprint(arrays[k] for k in self.weight_keys),
-                weights_fingerprint(arrays[k] for k in sorted(self.keys)))
-
-
-def save_arrays(directory: str, arrays: dict[str, np.ndarray],
-                extra: dict[str, np.ndarray] | None = None) -> None:
-    """``save`` from a snapshot (``Snapshot.take``), in the background writer's thread."""
-    np.savez(os.path.join(directory, STATE_FILE), **arrays, **(extra or {}))
+    def fingerprints(self, refs: dict[str, blobs.ArrayRef]) -> tuple[str, str]:
+        """(weights sha256, state sha256) of a snapshot from the hashes its commit writes its
+        blobs under (blobs.hash_arrays: one hash per chunk, computed once), equal to
+        ``fingerprint(model)`` and ``state_fingerprint(model)`` of the model it was taken from
+        (computed off the training thread)."""
+        return (blobs.digest(refs[k] for k in self.weight_keys),
+                blobs.digest(refs[k] for k in sorted(self.keys)))
 
 
 def fingerprint(model) -> str:
     sync(model)
-    return weights_fingerprint(np.asarray(w.numpy()) for w in model.weights)
+    return blobs.weights_fingerprint(np.asarray(w.numpy()) for w in model.weights)
 
 
 def state_fingerprint(model) -> str:
-    """sha256 over everything that decides the next step: weights, BatchNorm statistics,
-    seed-generator states and optimizer variables (iterations, learning rate, slots)."""
+    """A digest over everything that decides the next step: weights, BatchNorm statistics,
+    seed-generator states and optimizer variables (iterations, learning rate, slots); the
+    checkpoint's ``state_sha256`` of the same state."""
     arrays = capture(model)
-    return weights_fingerprint(arrays[k] for k in sorted(arrays))
+    return blobs.weights_fingerprint(arrays[k] for k in sorted(arrays))

@@ -198,7 +198,7 @@ def run(prep: Prepared, rd: RunDir, attempt: int, progress, t_start: float, mark
     arrays: dict = {}
     restored = None
     if latest is not None:
-        arrays = state.load_arrays(latest.path)
+        arrays = state.load_arrays(latest)  # hashed as it is read
         try:
             with strategy.scope():
                 state.restore(model, arrays, latest.manifest.get("holders"))

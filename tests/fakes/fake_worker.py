@@ -33,6 +33,8 @@ import sys
 import time
 import traceback
 
+import numpy as np
+
 T_START = time.time()  # the real worker's first_step counts its start-up from here too
 
 from orchestrator.checkpoint import tiers
@@ -175,9 +177,9 @@ def train(spec, rd, attempt, plan, progress):
                 os.kill(os.getpid(), -stop[1])
             sys.exit(stop[1])
 
-        def payload(d, epoch=epoch):
-            with open(os.path.join(d, "state.npz"), "wb") as f:
-                f.write(f"weights after epoch {epoch}".encode())
+        # the state, as a real worker writes it (one array's blobs): its bytes say the epoch
+        weights = {"model.0000": np.frombuffer(f"weights after epoch {epoch}".encode(),
+                                               dtype=np.uint8)}
 
         for step in range(1, STEPS + 1):
             time.sleep(plan.get("epoch_s", 0.02) / STEPS)
@@ -190,22 +192,22 @@ def train(spec, rd, attempt, plan, progress):
                 heart.beat(phase="training", epoch=epoch - 1, batch=batch)
             injector.at_step(progress.step)
             if TERM["at"] and step < STEPS:  # a preemption notice: save here, exit
-                commit(progress.step, payload, {"attempt": attempt, "epoch": epoch - 1,
+                commit(progress.step, None, {"attempt": attempt, "epoch": epoch - 1,
                                                       "batch": step, "history": list(history)},
-                             keep=spec.checkpoint.keep)
+                             keep=spec.checkpoint.keep, arrays=weights)
                 journal.append("preempted", source="worker", attempt=attempt,
                                step=progress.step, epoch=epoch - 1, batch=step)
                 sys.exit(EXIT_PREEMPTED)
             if plan.get("mid_epoch") and step == STEPS // 2:
-                commit(epoch * STEPS - 5, payload, {"attempt": attempt, "epoch": epoch - 1,
+                commit(epoch * STEPS - 5, None, {"attempt": attempt, "epoch": epoch - 1,
                                                           "batch": 5, "history": list(history)},
-                             keep=spec.checkpoint.keep)
+                             keep=spec.checkpoint.keep, arrays=weights)
         history.append({"epoch": epoch, "loss": 1.0 / epoch})
         early = plan.get("stop_early", {}).get(n) == epoch
-        commit(epoch * STEPS, payload, {"attempt": attempt, "epoch": epoch,
+        commit(epoch * STEPS, None, {"attempt": attempt, "epoch": epoch,
                                               "history": list(history), "stopped_early": early,
                                               "weights_sha256": f"fake-{epoch}"},
-                     keep=spec.checkpoint.keep)
+                     keep=spec.checkpoint.keep, arrays=weights)
         if early:
             break
 

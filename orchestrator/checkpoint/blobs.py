@@ -1,0 +1,145 @@
+"""Arrays as content-addressed blobs: hash, write, read back and digest (checkpoint format 2).
+
+A blob is one array's raw C-order bytes, or one chunk of a large array (``CHUNK_BYTES``), named
+by the XXH3-128 hex digest of its bytes and kept at ``blobs/<2 hex>/<hash>`` of its tier. XXH3
+is fast (several GB/s on one core) and catches corruption and truncation; it is not a defence
+against someone who can write the storage: the manifest's sha256 in the commit marker covers
+the manifest, which names every blob. Each chunk is hashed once per checkpoint, from the
+array's own memory (a memoryview, never a ``tobytes()`` copy); the state's fingerprints are
+digests over these hashes, and restore hashes what it reads while it reads it.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import BinaryIO, Iterable
+
+import numpy as np
+import xxhash
+
+BLOBS = "blobs"
+# measured in BENCHMARKS.md ("Checkpoint format 2: chunk size"): 64 MiB writes a 1 GB state as
+# fast as whole arrays do and rewrites at most 64 MiB of a partly changed embedding
+CHUNK_BYTES = 64 << 20
+PIECE_BYTES = 8 << 20  # what one write() or readinto() moves: bounded, no copy of the array
+
+
+class BlobError(Exception):
+    """A blob a checkpoint names is missing, short or does not match its hash."""
+
+
+@dataclass(frozen=True)
+class ArrayRef:
+    """What a manifest says of one array: its dtype, shape and chunks [(hash, nbytes)]."""
+    dtype: str
+    shape: tuple
+    chunks: tuple
+
+    def to_json(self) -> dict:
+        return {"dtype": self.dtype, "shape": list(self.shape),
+                "chunks": [[h, n] for h, n in self.chunks]}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "ArrayRef":
+        return cls(str(d["dtype"]), tuple(int(x) for x in d["shape"]),
+                   tuple((str(h), int(n)) for h, n in d["chunks"]))
+
+
+def blob_key(h: str) -> str:
+    return f"{BLOBS}/{h[:2]}/{h}"
+
+
+def is_blob_name(name: str) -> bool:
+    return len(name) == 32 and all(c in "0123456789abcdef" for c in name)
+
+
+def _bytes_view(a: np.ndarray) -> memoryview:
+    a = np.ascontiguousarray(a)  # a copy only for an array that is not C-contiguous
+    return memoryview(a.reshape(-1).view(np.uint8))
+
+
+def _chunks(mv: memoryview, chunk: int) -> list[memoryview]:
+    return [mv[i:i + chunk] for i in range(0, len(mv), chunk)]
+
+
+def hash_array(a: np.ndarray, chunk: int | None = None) -> ArrayRef:
+    a, chunk = np.asarray(a), chunk or CHUNK_BYTES
+    chunks = tuple((xxhash.xxh3_128_hexdigest(c), len(c)) for c in _chunks(_bytes_view(a), chunk))
+    return ArrayRef(str(a.dtype), tuple(a.shape), chunks)
+
+
+def hash_arrays(arrays: dict[str, np.ndarray], chunk: int | None = None) -> dict[str, ArrayRef]:
+    return {k: hash_array(a, chunk) for k, a in arrays.items()}
+
+
+def array_chunks(a: np.ndarray, ref: ArrayRef) -> list[tuple[str, memoryview]]:
+    """(hash, bytes) of each chunk of ``a``, as ``ref`` cut it."""
+    mv, out, at = _bytes_view(a), [], 0
+    for h, n in ref.chunks:
+        out.append((h, mv[at:at + n]))
+        at += n
+    return out
+
+
+def write_chunk(f: BinaryIO, data: memoryview) -> None:
+    for i in range(0, len(data), PIECE_BYTES):
+        f.write(data[i:i + PIECE_BYTES])
+
+
+def read_chunk(f: BinaryIO, into: memoryview, h: str, what: str) -> None:
+    """Fill ``into`` from ``f`` and check the bytes' hash in the same pass."""
+    hasher, at = xxhash.xxh3_128(), 0
+    while at < len(into):
+        n = f.readinto(into[at:at + PIECE_BYTES])
+        if not n:
+            raise BlobError(f"{what}: short, {at} of {len(into)} bytes")
+        hasher.update(into[at:at + n])
+        at += n
+    if f.read(1):
+        raise BlobError(f"{what}: longer than {len(into)} bytes")
+    if hasher.hexdigest() != h:
+        raise BlobError(f"{what}: checksum mismatch")
+
+
+def hash_stream(f: BinaryIO) -> tuple[str, int]:
+    hasher, n, buf = xxhash.xxh3_128(), 0, bytearray(PIECE_BYTES)
+    view = memoryview(buf)
+    while True:
+        got = f.readinto(view)
+        if not got:
+            return hasher.hexdigest(), n
+        hasher.update(view[:got])
+        n += got
+
+
+def dtype_of(name: str) -> np.dtype:
+    try:
+        return np.dtype(name)
+    except TypeError:
+        import ml_dtypes  # bfloat16 and friends, as Keras on JAX holds them
+
+        return np.dtype(getattr(ml_dtypes, name))
+
+
+def empty_for(ref: ArrayRef) -> np.ndarray:
+    a = np.empty(ref.shape, dtype=dtype_of(ref.dtype))
+    if a.nbytes != sum(n for _, n in ref.chunks):
+        raise BlobError(f"{ref.dtype}{list(ref.shape)} is {a.nbytes} bytes, its chunks "
+                        f"{sum(n for _, n in ref.chunks)}")
+    return a
+
+
+def digest(refs: Iterable[ArrayRef]) -> str:
+    """sha256 over arrays' dtypes, shapes and chunk hashes, in order: equal arrays, equal
+    digest (the checkpoint's ``weights_sha256`` and ``state_sha256``)."""
+    h = hashlib.sha256()
+    for r in refs:
+        h.update(f"{r.dtype}{list(r.shape)}".encode())
+        for c, n in r.chunks:
+            h.update(f"{c}:{n};".encode())
+    return h.hexdigest()
+
+
+def weights_fingerprint(arrays: Iterable[np.ndarray]) -> str:
+    """The digest of plain arrays (a model's weights, a plain fit's in bench/baseline_fit.py)."""
+    return digest(hash_array(a) for a in arrays)
