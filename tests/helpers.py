@@ -166,7 +166,7 @@ def group_attempt(rd, engine, n: int = 3):
 
     journal = Journal(rd.journal)
     hang = SimpleNamespace(start=lambda n, size: None, remaining=lambda: 60.0, stepped=False,
-                           run_dir=rd.control)
+                           run_dir=rd.control, beat=lambda rank, record=None: None)
     slot = SimpleNamespace(events=queue.Queue(), hang=hang)
     standby = SimpleNamespace(promote=lambda n, env: (None, None), exited=lambda *a: None)
     spec = SimpleNamespace(job_dir=os.path.dirname(rd.root), stop_grace=0.0, workers=2)

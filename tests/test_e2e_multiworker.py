@@ -525,3 +525,68 @@ def test_ray_jax_three_nodes_a_failed_rank_1_ends_bit_identical(shared_dir, refe
     assert [e["epoch"] for e in events if e["event"] == "epoch_completed"] == [1, 2]
     assert next(e for e in events if e["event"] == "run_completed")["weights_sha256"] == \
         reference_jax
+
+
+def _epochs_heard_live(run) -> list[tuple[int, float]]:
+    """(epoch, seconds from the commit that completed it to its ``epoch_completed`` line) for
+    every epoch: the commit is the first checkpoint of the run directory's tier that holds the
+    epoch (its manifest's ``committed_at``, written on the chief's node), read through the
+    store's public listing."""
+    from orchestrator.checkpoint.store import CheckpointStore
+
+    events = Journal(str(run / "events.jsonl")).events("epoch_completed")
+    copies = CheckpointStore(str(run / "checkpoints")).list()
+    out = []
+    for e in events:
+        first = min((c for c in copies if c.epoch >= e["epoch"]), key=lambda c: c.step)
+        out.append((e["epoch"], round(e["ts"] - first.manifest["committed_at"], 3)))
+    return out
+
+
+@pytest.mark.parametrize("chief_node_stopped", [False, True], ids=["no-fault", "chief-lost"])
+def test_ray_three_nodes_each_epoch_is_journaled_as_its_checkpoint_commits(
+        shared_dir, ray_cluster, chief_node_stopped):
+    """The chief on another node than the supervisor's (#38): its commits reach the
+    supervisor with its heartbeat, through Ray, and each ``epoch_completed`` is journaled
+    within 2 s of the checkpoint that completed the epoch, not at the attempt's end; `status`
+    shows the epoch meanwhile. With the chief's node stopped in the middle of epoch 2 (and
+    started again, so that a group can be placed), the same for the epoch the next group
+    completes. (``keep: 20``: every commit stays in the run directory, to be compared; slow
+    steps from step 50 give the test time to act in the middle of epoch 2.)"""
+    text = JOB.replace("checkpoint: {every_epochs: 1, every_steps: 20}",
+                       "checkpoint: {every_epochs: 1, every_steps: 20, keep: 20}")
+    shutil.copy(os.path.join(ROOT, "jobs", "digits", "digits_job.py"), shared_dir)
+    job, run = shared_dir / "job.yaml", shared_dir / "run"
+    job.write_text(text + "hang_timeout: 20\n")
+    ctl = live(job, run)
+    journal = Journal(ctl.journal)
+    faults = ["--fault", "slow-steps@step=50,for=0.2"] if chief_node_stopped else []
+    p = _run(str(job), run, "--engine", "ray", *faults, env=_ray_env(ray_cluster.address))
+    with _stopped_if_failing(p):
+        first = _wait(p, lambda: next(journal.iter("epoch_completed"), None), what="epoch 1")
+        s = run_status(str(run))  # while the group trains epoch 2
+        assert s["state"] == "running" and s["epoch"] >= 1, s
+        assert f"epoch {s['epoch']}/2, step {s['step']}" in format_status(s)
+        if chief_node_stopped:
+            start = next(journal.iter("attempt_started"))
+            _wait(p, lambda: (lambda b: b if b.get("attempt") == 1 and b.get("step", 0) > 52
+                              else None)(heartbeat.read(ctl.control) or {}),
+                  what="attempt 1 past step 52, relayed")
+            chief = start["workers"][0]["node"]
+            ray_cluster.stop_node(chief)  # the chief's machine leaves mid-epoch 2
+            _wait(p, lambda: next((e for e in journal.iter("group_placing")
+                                   if e["attempt"] == 2), None), what="attempt 2 placing")
+            ray_cluster.start_node(chief)
+    out, _ = p.communicate(timeout=900)  # a cap only: the supervisor bounds its own waits
+    assert p.returncode == 0, out
+    assert first["epoch"] == 1
+    events = Journal(str(run / "events.jsonl")).events()
+    ended = [e["kind"] for e in events if e["event"] == "attempt_ended"]
+    assert len(ended) == 1 + chief_node_stopped and ended[-1] is None, ended
+    starts = [e for e in events if e["event"] == "attempt_started"]
+    assert all(w["node"] != HEAD for e in starts for w in e["workers"])  # the chief is away
+    steps = [e["step"] for e in events if e["event"] == "checkpoint_committed"]
+    assert len(steps) == len(set(steps)), steps  # each commit journaled once
+    heard = _epochs_heard_live(run)
+    assert [e for e, _ in heard] == [1, 2], heard
+    assert all(0 <= lag < 2.0 for _, lag in heard), heard

@@ -387,6 +387,17 @@ class CheckpointStore:
         return {k: self.blobs.read(r, f"{path}: blob {{}} of {k}")
                 for k, r in Checkpoint(0, path, manifest).array_refs.items()}
 
+    def digest(self, path: str) -> str | None:
+        """What names the commit at ``path`` wherever a copy of it is: its commit marker (the
+        manifest's sha256; a copy to another tier is byte for byte). A rank tells the
+        supervisor of a commit with it, and the supervisor's copy must match it (ledger.py).
+        None: not committed (yet)."""
+        try:
+            with open(os.path.join(path, COMMIT_MARKER), "rb") as f:
+                return f.read().decode(errors="replace").strip() or None
+        except OSError:
+            return None
+
     def latest_valid(self, on_skip: Callable[[Checkpoint, str], None] | None = None
                      ) -> Checkpoint | None:
         """The newest checkpoint that verifies; ``on_skip`` hears of each one passed over."""

@@ -98,6 +98,9 @@ class TieredStore:
         """The arrays of ``c``, from the tier that holds it."""
         return (c.tier or self.local).read_arrays(c.path)
 
+    def digest(self, path: str) -> str | None:
+        return self.local.digest(path)
+
     def latest_valid(self, on_skip: Callable[[Checkpoint, str], None] | None = None,
                      step: int | None = None) -> Checkpoint | None:
         """The newest checkpoint with a copy that verifies in either tier (only ``step``'s,

@@ -2,8 +2,15 @@
 
 The worker replaces ``heartbeat.json`` in the run directory at most once per interval (atomic
 rename, not fsynced: it is liveness, not history). Its modification time is the beat. The
-supervisor hears each beat as a file event (hangs.py); a worker that stops beating is asked for a
-stack dump of every thread (``STACK_DUMP_SIGNAL``, faulthandler) into its attempt log.
+supervisor hears each beat as a file event (hangs.py), or relayed through Ray from the rank's
+node (supervise/relay.py); a worker that stops beating is asked for a stack dump of every
+thread (``STACK_DUMP_SIGNAL``, faulthandler) into its attempt log.
+
+A commit rides the same channel: the rank that commits a checkpoint beats at once with it in
+``commits`` (its last few, so that a beat coalesced away on the way loses none), and the
+supervisor journals it when its own copy verifies (supervise/ledger.py). A watched folder
+could not tell it: the chief's local tier may be on another node, and a shared folder may
+deliver no event for a write made elsewhere.
 """
 from __future__ import annotations
 
@@ -19,6 +26,9 @@ from orchestrator.core.osutil import read_json, write_json_atomic
 
 FILE = "heartbeat.json"
 STACK_DUMP_SIGNAL = signal.SIGUSR1
+# How many of its latest commits each beat carries (a beat replaced before it was read, by a
+# relay that reads every POLL_S, takes nothing with it that the next does not carry again).
+COMMITS_KEPT = 4
 
 
 class Phase:
@@ -72,21 +82,38 @@ class HeartbeatWriter:
         self.attempt, self.interval = attempt, interval
         self._last = 0.0
         self.failures, self.last_error = 0, None  # beats that could not be written
+        self._where: dict = {}   # the last beat's position and phase, for a commit's beat
+        self.commits: list[dict] = []  # the latest commits, newest last (COMMITS_KEPT)
+        self._lock = threading.Lock()  # the training thread and the checkpoint writer's
 
     def beat(self, force: bool = False, **where) -> bool:
-        now = time.time()
-        if not force and now - self._last < self.interval:
-            return False
-        self._last = now
-        try:
-            write_json_atomic(self.path, {"time": round(now, 3), "pid": os.getpid(),
-                                          "attempt": self.attempt, "rss": resident_bytes(),
-                                          **where}, durable=False)
-        except OSError as exc:  # the run dir on Drive may be gone a while: keep training
-            self.failures += 1
-            self.last_error = exc
-            return False
-        return True
+        with self._lock:
+            now = time.time()
+            if not force and now - self._last < self.interval:
+                return False
+            self._last = now
+            self._where = where
+            record = {"time": round(now, 3), "pid": os.getpid(), "attempt": self.attempt,
+                      "rss": resident_bytes(), **where}
+            if self.commits:
+                record["commits"] = list(self.commits)
+            try:
+                write_json_atomic(self.path, record, durable=False)
+            except OSError as exc:  # the run dir on Drive may be gone a while: keep training
+                self.failures += 1
+                self.last_error = exc
+                return False
+            return True
+
+    def committed(self, step: int, epoch: int, path: str, digest: str | None) -> bool:
+        """A checkpoint was committed (the checkpoint writer's thread): beat now, where the
+        last beat was, with it (``commits``). ``digest``: the store's name for the commit
+        (CheckpointStore.digest), which the supervisor's copy must match."""
+        with self._lock:
+            self.commits = (self.commits + [{"step": int(step), "epoch": int(epoch),
+                                             "path": path, "digest": digest}])[-COMMITS_KEPT:]
+            where = dict(self._where)
+        return self.beat(force=True, **where)
 
     @contextlib.contextmanager
     def beating(self, **where):

@@ -42,7 +42,7 @@ from typing import Callable
 from orchestrator.core import heartbeat
 from orchestrator.core.events import Event
 from orchestrator.core.osutil import read_json
-from orchestrator.core.rundir import RunDir
+from orchestrator.core.rundir import RunDir, rank_dir
 from orchestrator.core.spec import JobSpec
 from orchestrator.recovery import oom
 from orchestrator.recovery.failures import signal_name
@@ -181,11 +181,14 @@ class Attempt:
                             log=self.log, **ranks, **(path or {}))
 
     # ------------------------------------------------------------------ wait
-    def wait(self, on_checkpoint: Callable[[], None], duties: list[Every]) -> Outcome:
+    def wait(self, on_checkpoint: Callable[[], None], duties: list[Every],
+             on_commits: Callable[[list], None] | None = None) -> Outcome:
         """Until the workers exit (or are stopped as hung). Raises ``Stopped`` on a stop.
         At the first heartbeat after a training step the standby for the next attempt may
         start (the worker's start-up and first-step tracing are over); another process's exit
-        on the queue is the standby's to hear."""
+        on the queue is the standby's to hear. ``on_checkpoint``: a watched folder saw a
+        commit; ``on_commits(commits)``: a beat of this attempt, with the commits its rank
+        told of (core/heartbeat.py; none, often: the ledger tries what still waits)."""
         for d in duties:
             d.arm()
         hang_age, training = None, False
@@ -204,7 +207,11 @@ class Attempt:
                 if training:
                     self.standby.retry(self.n + 1)
             elif isinstance(item, Beat):
-                self.hang.beat(item.rank, item.record)
+                record = item.record if item.record is not None else \
+                    heartbeat.read(rank_dir(self.hang.run_dir, item.rank))
+                self.hang.beat(item.rank, record)
+                if on_commits is not None and record and record.get("attempt") == self.n:
+                    on_commits(record.get("commits") or [])
                 if self.hang.stepped and not training:
                     training = True
                     self.standby.start(self.n + 1)

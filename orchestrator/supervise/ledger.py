@@ -1,20 +1,33 @@
 """The journal's epoch and checkpoint events, derived from committed checkpoints.
 
 The worker commits checkpoints to the local tier and the durable mirror (a thread of the
-supervisor) copies them to the run directory; either process may die at any moment. So the
-supervisor journals ``epoch_completed`` and ``checkpoint_committed`` from what is committed in
-either tier, not from what the worker says, and each exactly once: the ledger remembers what the
-journal already holds (``recall``) and scans the tiers on every commit event (``scan``). A new
-checkpoint is the run's progress: ``on_progress`` tells the recovery policy.
+supervisor, or of the chief's Ray actor on its node) copies them to the run directory; either
+process may die at any moment. So the supervisor journals ``epoch_completed`` and
+``checkpoint_committed`` from what is committed in a tier it reads and verifies, not from what
+the worker says, and each exactly once: the ledger remembers what the journal already holds
+(``recall``, ``steps``).
+
+It hears of a commit two ways. The rank that committed says so with its heartbeat, wherever it
+runs (``heard``: step, epoch, path and the commit's digest, relayed through Ray from another
+node): the commit is journaled as soon as a copy the supervisor reads verifies and has that
+digest (the chief's local tier on another node is not readable here: its durable copy is, once
+made; until then the commit waits in ``pending``, tried again at every beat and every scan). A
+copy with another digest is not that commit (a stale copy of the same step) and is refused.
+And the tiers are scanned (``scan``) on a watched folder's event, before a group is placed and
+at each attempt's end: the safety net for a beat that never came. A new checkpoint is the run's
+progress: ``on_progress`` tells the recovery policy.
 """
 from __future__ import annotations
 
+import logging
 from typing import Callable
 
 from orchestrator.checkpoint.store import Checkpoint
 from orchestrator.checkpoint.tiers import TieredStore
 from orchestrator.core.events import Event
 from orchestrator.core.journal import Journal
+
+log = logging.getLogger(__name__)
 
 
 class CheckpointLedger:
@@ -24,6 +37,8 @@ class CheckpointLedger:
         self.on_progress, self.on_scanned = on_progress, on_scanned
         self.epochs: set[int] = set()
         self.steps: set[int] = set()
+        self.pending: dict[int, dict] = {}  # step -> a commit heard of, no verified copy yet
+        self._refused: set[tuple[int, str]] = set()  # (step, digest of the copy) said once
 
     def recall(self, events: list[dict]) -> None:
         """What earlier sessions journaled already."""
@@ -33,16 +48,68 @@ class CheckpointLedger:
     def scan(self) -> None:
         """Journal every committed checkpoint (either tier) and the epochs it covers, each
         exactly once, then wake the durable mirror."""
-        for step, copies in sorted(self.store.copies().items()):
+        copies = self.store.copies()
+        self._settle(copies)
+        for step, cs in sorted(copies.items()):
             if step in self.steps:
                 continue
-            c = next((c for c in copies if self.store.local.verify(c.path, cached=True) is None),
+            c = next((c for c in cs if self.store.local.verify(c.path, cached=True) is None),
                      None)
             if c is None:
                 continue  # not (yet) intact; a later scan or the restore will judge it
             self._journal(c)
             self.on_progress()  # the run moves: failures before this are not a loop
         self.on_scanned()
+
+    def attempt_ended(self) -> None:
+        """The safety net at an attempt's end: ``scan``; what was heard of and never proven
+        here is the scans' from now on (the group's restore gathers it, if it can)."""
+        self.scan()
+        self.pending.clear()
+
+    def heard(self, commits: list[dict]) -> None:
+        """Commits a rank told of with its beat (core/heartbeat.py: each ``{step, epoch,
+        path, digest}``; the beat carries its last few, most already journaled). Each new one
+        is journaled once a copy here verifies with its digest; until then it waits."""
+        for m in commits:
+            step = m.get("step") if isinstance(m, dict) else None
+            if isinstance(step, int) and step not in self.steps and m.get("digest"):
+                self.pending[step] = m
+        if self.pending:
+            copies = self.store.copies()
+            if self._settle(copies):
+                self.on_scanned()
+
+    def _settle(self, copies: dict) -> bool:
+        """Journal the pending commits that a copy here now proves; True if any."""
+        journaled = False
+        for step, m in sorted(self.pending.items()):
+            if step in self.steps:
+                del self.pending[step]
+                continue
+            c = self._proven(copies.get(step, []), m)
+            if c is not None:
+                del self.pending[step]
+                self._journal(c)
+                self.on_progress()
+                journaled = True
+        return journaled
+
+    def _proven(self, copies: list[Checkpoint], m: dict) -> Checkpoint | None:
+        """The copy that is the commit ``m`` told of: intact (the store's verify: manifest,
+        marker, checksums) and with its digest. None: none yet."""
+        for c in copies:
+            if self.store.local.verify(c.path, cached=True) is not None:
+                continue
+            digest = self.store.local.digest(c.path)
+            if digest == m["digest"]:
+                return c
+            if (c.step, digest) not in self._refused:
+                self._refused.add((c.step, digest))
+                log.warning(f"checkpoint step {c.step}: the copy at {c.path} is not the commit "
+                            f"its rank told of (digest {str(digest)[:12]}, told "
+                            f"{str(m['digest'])[:12]}): not journaled from it")
+        return None
 
     def _journal(self, c: Checkpoint) -> None:
         for h in c.manifest.get("history", []):

@@ -1,8 +1,9 @@
 """What the supervisor's threads tell its loop, on its one queue, each a type of its own.
 
 The loop waits on one queue (never polling): a worker's exit (a thread per process,
-attempt.watch_exit; Ray's in rayengine.py), a heartbeat written (a watchdog event, hangs.py), a
-checkpoint committed (the checkpoint folder's watchdog event) and a stop (a signal, or a lock
+attempt.watch_exit; Ray's in rayengine.py), a heartbeat written (a watchdog event, hangs.py, or
+relayed; a commit rides on it), a checkpoint committed (the checkpoint folder's watchdog event,
+or a durable copy relayed from a rank's node) and a stop (a signal, or a lock
 lost). A type per message, matched with ``isinstance``, instead of tuples read by position: a
 message that gains a field, or a misspelt kind, is then an error where it is made, not an item
 that no branch of the loop matches.
@@ -37,7 +38,8 @@ class Beat:
 
 @dataclass(frozen=True)
 class Committed:
-    """A checkpoint's commit marker appeared at ``path``: the ledger scans the store."""
+    """A checkpoint's commit marker appeared at ``path`` (a watched folder's event), or a
+    durable copy was made on a rank's node (relayed, relay.py): the ledger scans the store."""
 
     path: str
 

@@ -13,7 +13,10 @@ long call from the supervisor with what changed; the supervisor ``deliver``s it:
 its hang clock (``Beat`` with the record, whatever node the rank is on), the heartbeat file and
 the journal lines into the same places of its own control folder (rank 0's journal lines into
 the run's journal, as they would have been written on one machine), the log bytes into
-``attempts/<n>.r<k>.log`` as they come (the stack dumps of a hang with them). On the
+``attempts/<n>.r<k>.log`` as they come (the stack dumps of a hang with them). A durable copy
+made on the rank's node (its ``checkpoint_durable`` line) is told to the loop as ``Committed``:
+a commit its rank told of with a beat may be waiting for that copy (ledger.py), and a shared
+folder need not tell the supervisor of a write made on another node. On the
 supervisor's own node (``node_key``: the same boot and mount namespace) only the beat is
 relayed: the files are already there.
 
@@ -22,16 +25,18 @@ here without a process (tests/test_relay.py).
 """
 from __future__ import annotations
 
+import json
 import os
 import threading
 from dataclasses import dataclass
 
 from orchestrator.core import heartbeat
 from orchestrator.core.clock import SYSTEM, Clock
+from orchestrator.core.events import Event
 from orchestrator.core.journal import Journal, append_lines
 from orchestrator.core.osutil import complete_lines, file_size, read_json, write_json_atomic
 from orchestrator.core.rundir import JOURNAL_FILE
-from orchestrator.supervise.messages import Beat
+from orchestrator.supervise.messages import Beat, Committed
 
 # How often the node side looks at the files while a call waits: beats are coalesced to this
 # (a hang timeout is tens of seconds), and a log line reaches the supervisor this late at most.
@@ -121,6 +126,21 @@ class RankFiles:
             self.clock.sleep(self.poll_s)
 
 
+def durable_copies(text: str) -> list[str]:
+    """The paths of the durable copies that the journal lines ``text`` say were made."""
+    out = []
+    for line in text.splitlines():
+        if Event.CHECKPOINT_DURABLE not in line:
+            continue
+        try:
+            e = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(e, dict) and e.get("event") == Event.CHECKPOINT_DURABLE:
+            out.append(str(e.get("path", "")))
+    return out
+
+
 class Delivery:
     """The supervisor's side, for one rank: where what the node relayed goes here.
     ``control``: the rank's control folder here (RunDir.for_rank); ``log``: its attempt log;
@@ -145,6 +165,8 @@ class Delivery:
                     self.journal.relay(text)
                 else:
                     append_lines(os.path.join(self.control, JOURNAL_FILE), text.encode())
+                for path in durable_copies(text):
+                    self.events.put(Committed(path))
             if updates.get("log"):
                 os.makedirs(os.path.dirname(self.log), exist_ok=True)
                 with open(self.log, "ab") as f:

@@ -9,6 +9,7 @@ supervisor. The watchers (checkpoint commits, heartbeats) feed the same queue (m
 """
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import signal
@@ -25,6 +26,8 @@ from orchestrator.core.spec import JobSpec
 from orchestrator.supervise.attempt import Stopped
 from orchestrator.supervise.hangs import HangClock, HeartbeatEvents
 from orchestrator.supervise.messages import Committed, Stop
+
+log = logging.getLogger(__name__)
 
 
 class WorkerSlot:
@@ -105,7 +108,12 @@ def watch(observer: Observer, slot: WorkerSlot, store: TieredStore, rd: RunDir) 
     """Feed the slot's queue: checkpoints committed (either tier's folder here), heartbeats."""
     os.makedirs(store.local.root, exist_ok=True)
     observer.schedule(_CheckpointEvents(slot.events), store.local.root, recursive=True)
-    if os.path.isdir(rd.checkpoints):  # commits a worker made there directly
+    try:  # made now, so that it is watched: the durable copies of a chief on another node
+        os.makedirs(rd.checkpoints, exist_ok=True)
+    except OSError as exc:  # the run directory away: the commits' beats still tell them
+        log.warning(f"cannot watch {rd.checkpoints} ({exc.strerror or exc}): its commits are "
+                    f"heard from the workers' heartbeats and the scans")
+    else:
         observer.schedule(_CheckpointEvents(slot.events), rd.checkpoints)
     observer.schedule(HeartbeatEvents(slot.events, rd.control), rd.control, recursive=True)
     observer.start()

@@ -169,10 +169,11 @@ class Supervisor:
             engine=self.engine)
         attempt.start(self.ledger.latest_epoch())  # the standby's process, or a cold start
         self.console.attempt_started(n, self.ledger.latest_epoch())
-        outcome = attempt.wait(on_checkpoint=self.ledger.scan, duties=[
-            Every(self.spec.probe_interval, lambda: self.recovery.probe(n, running=True))])
+        outcome = attempt.wait(on_checkpoint=self.ledger.scan, on_commits=self.ledger.heard,
+                               duties=[Every(self.spec.probe_interval,
+                                             lambda: self.recovery.probe(n, running=True))])
         self.slot.attempt = None
-        self.ledger.scan()
+        self.ledger.attempt_ended()
         self.recovery.remedies.ran_on(self._ready_strategy(n))
         return outcome
 

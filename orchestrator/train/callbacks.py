@@ -266,14 +266,15 @@ class CheckpointCallback(keras.callbacks.Callback):
     def __init__(self, store: CheckpointStore, ckpt: CheckpointSpec, progress: Position,
                  steps_per_epoch: int, last_epoch: int, history: list, base_manifest: dict,
                  states: CallbackStates, notice=None, writer: CheckpointWriter | None = None,
-                 chief: bool = True):
+                 chief: bool = True, on_commit=None):
         """``chief``: False for a rank > 0 of a multi-worker group. Every rank takes the same
         host copy at the same steps (a read of a variable may be a collective under MWMS, so
         all ranks must do it: TensorFlow's rule for saving); only the chief writes it
         (train/multiworker.py). Groups write in line, so that no rank skips where another
-        does not."""
+        does not. ``on_commit(checkpoint)``: told in the writer's thread once a commit is
+        whole (the worker beats with it: core/heartbeat.py)."""
         super().__init__()
-        self.chief = chief
+        self.chief, self.on_commit = chief, on_commit
         self.store, self.ckpt, self.progress = store, ckpt, progress
         self.spe, self.last_epoch = steps_per_epoch, last_epoch
         self.history = list(history)
@@ -375,6 +376,7 @@ class CheckpointCallback(keras.callbacks.Callback):
             holders=copy.deepcopy(self._snapshot.holders), outside_state=self._outside_state())
         capture_ms = round((time.perf_counter() - t0) * 1000.0, 2)
         snapshot, store, keep, step = self._snapshot, self.store, self.ckpt.keep, p.step
+        on_commit = self.on_commit
         if not self.chief:
             self._last_commit, self._committed_step = time.monotonic(), step
             return
@@ -383,7 +385,9 @@ class CheckpointCallback(keras.callbacks.Callback):
             everything = {**arrays, **extra}
             refs = blobs.hash_arrays(everything)  # once: the blobs' names and the fingerprints
             manifest["weights_sha256"], manifest["state_sha256"] = snapshot.fingerprints(refs)
-            store.commit(step, None, manifest, keep=keep, arrays=everything, refs=refs)
+            c = store.commit(step, None, manifest, keep=keep, arrays=everything, refs=refs)
+            if on_commit is not None:
+                on_commit(c)
 
         self.writer.submit(step, write, stall_ms=waited + capture_ms, reason=reason,
                            wait_ms=waited, capture_ms=capture_ms)

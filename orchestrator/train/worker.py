@@ -186,7 +186,8 @@ def run(prep: Prepared, rd: RunDir, attempt: int, progress, t_start: float, mark
 
     if _in_group():
         _sees_run_dir(rd, rank)
-    store = injector.wrap_store(tiers.for_spec(spec))  # commits: local tier
+    own = tiers.for_spec(spec)
+    store = injector.wrap_store(own)  # commits: local tier
     store.remove_partial()
     skipped = []
     latest = resume.restore_point(store, rank, skipped)
@@ -289,7 +290,9 @@ def run(prep: Prepared, rd: RunDir, attempt: int, progress, t_start: float, mark
             spec.tensorboard.dir, spec.tensorboard.every_steps, progress, at.step))
     inner.append(CheckpointCallback(store, spec.checkpoint, progress, spe, spec.epochs,
                                     at.history, base_manifest, states, notice,
-                                    writer=ckpt_writer, chief=rank == 0))
+                                    writer=ckpt_writer, chief=rank == 0,
+                                    on_commit=lambda c: heart.committed(
+                                        c.step, c.epoch, c.path, own.digest(c.path))))
     if injector:
         inner.append(FaultCallback(injector, progress))
     training = OneTraining(inner)
