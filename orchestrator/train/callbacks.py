@@ -19,15 +19,7 @@ from orchestrator.checkpoint.store import CheckpointStore
 from orchestrator.checkpoint.writer import CheckpointWriter
 from orchestrator.core.heartbeat import HeartbeatWriter, Phase, Position
 from orchestrator.core.spec import CheckpointSpec
-
-
-def get_learning_rate(optimizer) -> float | None:
-    """The current rate through the public property (wrappers such as LossScaleOptimizer
-    forward it to the optimizer they wrap); None for a model compiled without an optimizer (a
-    custom ``train_step`` with optimizers of its own)."""
-    if optimizer is None:
-        return None
-    return float(keras.ops.convert_to_numpy(optimizer.learning_rate))
+from orchestrator.train.schedules import get_learning_rate
 
 
 class OneTraining(keras.callbacks.Callback):

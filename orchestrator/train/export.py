@@ -24,12 +24,14 @@ import uuid
 
 from orchestrator.checkpoint import tiers
 from orchestrator.core import logs
+from orchestrator.core.events import Event
+from orchestrator.core.heartbeat import Phase
 from orchestrator.core.osutil import read_json, sha256_file, write_json_atomic
 from orchestrator.core.rundir import EXIT_CONFIG, RunDir
 from orchestrator.core.spec import SpecError
 from orchestrator.core.specload import load
-from orchestrator.train import jobcode
-from orchestrator.train.jobcode import JobError
+from orchestrator.train import backends, datasets, jobcode, state
+from orchestrator.train.errors import JobError
 
 log = logging.getLogger("orchestrator.train.export")  # its name as __main__ too (python -m)
 
@@ -51,8 +53,6 @@ def export(run_dir: str, out: str | None = None) -> dict:
     if latest is None:
         raise ExportError(f"{rd.root}: no checkpoint verifies; nothing to export")
 
-    from orchestrator.train import datasets, state
-
     jobcode.import_framework(spec)
     model = jobcode.resolve(spec, spec.model, "model")()
     jobcode.compile_model(model, spec)
@@ -72,9 +72,6 @@ def at_end(spec, rd: RunDir, store, model, journal, heart, attempt,
     trained on the CPU with no distribution strategy, which is what the exporter process would
     build; otherwise (TPU, GPU, replicas), and when this fails, the supervisor runs the
     exporter process (it sees no export of the final weights)."""
-    from orchestrator.core.events import Event
-    from orchestrator.core.heartbeat import Phase
-
     final = store.latest_valid()
     if final is None or not final.ends_run(spec.epochs):
         return
@@ -101,8 +98,6 @@ def write(model, spec, checkpoint, out: str) -> dict:
     """
     import keras
 
-    from orchestrator.train import state
-
     fp = state.fingerprint(model)
     if checkpoint.manifest.get("weights_sha256") not in (None, fp):
         raise ExportError(f"{checkpoint.path}: the model's weights do not match the manifest's "
@@ -118,8 +113,6 @@ def write(model, spec, checkpoint, out: str) -> dict:
             model.built = True
         model.save_weights(os.path.join(tmp, "model.weights.h5"))
         files = ["model.weights.h5"]
-        from orchestrator.train import backends
-
         why_not = backends.current().can_export_saved_model()
         keras_file = _NO_CALL
         if _callable(model):

@@ -24,8 +24,8 @@ from orchestrator.core.osutil import write_json_atomic
 from orchestrator.core.rundir import EXIT_CONFIG
 from orchestrator.core.spec import SpecError
 from orchestrator.core.specload import load
-from orchestrator.train import jobcode
-from orchestrator.train.jobcode import JobError
+from orchestrator.train import holders, jobcode
+from orchestrator.train.errors import JobError
 
 
 def check(spec) -> str:
@@ -42,8 +42,6 @@ def check(spec) -> str:
     model = jobcode.build_model(spec, backend.placement(spec, None, False).strategy, data)
     jobcode.schedule(spec, model.optimizer)
     callbacks = jobcode.job_callbacks(spec)
-    from orchestrator.train import holders
-
     optimizers = ", ".join(f"{g.cls}" + ("" if g.name == holders.OPTIMIZER else f" ({g.where})")
                            for g in holders.discover(model).groups
                            if g.kind == holders.OPTIMIZER) or "no optimizer"

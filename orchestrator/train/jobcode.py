@@ -21,6 +21,9 @@ from dataclasses import dataclass, field
 
 from orchestrator.core import cellcode
 from orchestrator.core.spec import CELL_MODULE, JobSpec
+from orchestrator.train import backends, datasets, holders, schedules
+from orchestrator.train.errors import JobError
+from orchestrator.train.schedules import get_learning_rate
 
 log = logging.getLogger(__name__)
 
@@ -33,20 +36,9 @@ _MISMATCH = re.compile(r"shape|rank|ndim|incompatible|dimension|label value", re
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")  # Keras puts the layer's message in bold
 
 
-class JobError(Exception):
-    """The job's configuration or code is wrong; retrying will not help. ``key`` is the job
-    file's key at fault (``model``, ``compile.optimizer`` ...), when one is."""
-
-    def __init__(self, message: str, key: str | None = None):
-        super().__init__(message)
-        self.key = key
-
-
 def import_framework(spec: JobSpec):
     """The run's backend (train/backends), its framework imported, or a ``JobError`` that says
     in one line which extra to install. ``KERAS_BACKEND`` is set before Keras is imported."""
-    from orchestrator.train import backends
-
     backend = backends.for_name(spec.backend)
     backend.import_framework()
     return backend
@@ -145,8 +137,6 @@ def factories(spec: JobSpec) -> list[Factory]:
 
 def load_data(spec: JobSpec):
     """The data factory's result as ``datasets.JobData``."""
-    from orchestrator.train import datasets
-
     try:
         return datasets.normalise(resolve(spec, spec.data, "data")(), _where(spec, "data"))
     except datasets.DataError as exc:
@@ -284,8 +274,6 @@ def _kept_still(model):
     """The seed-generator states before the check, put back after it: a layer that draws
     even with ``training=False`` (a VAE's sampling layer) must not start training from a
     state a plain ``fit`` would not have."""
-    from orchestrator.train import holders
-
     found = holders.discover(model)
     seeds = [v for g in found.groups if g.kind == holders.SEED for v in g.variables]
     seeds += [v for v in model.non_trainable_variables if "seed" in (v.path or "")]
@@ -306,8 +294,6 @@ def first_step(spec: JobSpec, model, batch):
       to the step); what a batch means is the job's code.
 
     Seed-generator states are put back afterwards: nothing the resume sees has moved."""
-    from orchestrator.train import backends, datasets
-
     x, y, sample_weight = datasets.unpack(batch)
     custom = custom_step(model)
     if custom and (_built(model) or not _has_call(model)):
@@ -372,8 +358,6 @@ def build_model(spec: JobSpec, strategy, data):
     from the checkpoint's record (state.restore)."""
     import keras
 
-    from orchestrator.train import datasets
-
     check_compile(spec)  # outside the scope: the throwaway optimizers it makes are not placed
     with strategy.scope():
         model = resolve(spec, spec.model, "model")()
@@ -425,9 +409,6 @@ def job_callbacks(spec: JobSpec) -> list:
 
 def schedule(spec: JobSpec, optimizer):
     """The spec's learning-rate schedule, or None; checks the optimizer's rate can be set."""
-    from orchestrator.train import schedules
-    from orchestrator.train.callbacks import get_learning_rate
-
     if spec.learning_rate is None:
         return None
     if optimizer is None:

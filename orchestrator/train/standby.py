@@ -36,8 +36,13 @@ import threading
 import time
 import traceback
 
+from orchestrator.core.events import Event
+from orchestrator.core.heartbeat import Position, resident_bytes
+from orchestrator.core.journal import Journal
 from orchestrator.core.rundir import EXIT_PREEMPTED
 from orchestrator.core.standbymode import StandbyMode
+from orchestrator.train import holders, state
+from orchestrator.train.preemption import Preempted
 
 log = logging.getLogger(__name__)
 
@@ -104,8 +109,6 @@ def trace(prep) -> None:
     cannot be undone): the standby waits with the model built, and the step traces once
     promoted."""
     import numpy as np
-
-    from orchestrator.train import holders, state
 
     model = prep.model
     late = [g.where for g in holders.discover(model).groups
@@ -208,10 +211,6 @@ def serve(spec, rd, attempt: int, mode: str, notice, t0: float, steps) -> int:
     ``prepare``, ``run`` and ``guarded``, passed in by train/worker.py, which imports this
     module: importing them back made a cycle, and under ``python -m`` a second copy of the
     worker module."""
-    from orchestrator.core.events import Event
-    from orchestrator.core.heartbeat import Position, resident_bytes
-    from orchestrator.core.journal import Journal
-    from orchestrator.train.preemption import Preempted
     configure, guarded, prepare, run = steps.configure, steps.guarded, steps.prepare, steps.run
 
     nice = lower_priority()

@@ -57,8 +57,8 @@ import time
 import keras
 
 from orchestrator.core.heartbeat import Position
-from orchestrator.train.callbacks import get_learning_rate
-from orchestrator.train.jobcode import JobError
+from orchestrator.train.errors import JobError
+from orchestrator.train.schedules import get_learning_rate
 
 RUNS = ("train", "validation")  # TensorBoard's runs (sub-folders), as Keras names them
 # Sorts before every "events.out.tfevents.<seconds since 1970>..." file tf.summary creates.

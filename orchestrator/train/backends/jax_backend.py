@@ -34,7 +34,14 @@ import sys
 
 import numpy as np
 
-from orchestrator.train.backends import Placement
+from orchestrator.core import backends, tpuvm
+from orchestrator.core.rundir import ENV_STRATEGY
+from orchestrator.train import datasets
+from orchestrator.train.accelerators import AcceleratorUnavailable
+from orchestrator.train.backends.base import Placement
+from orchestrator.train.compile_cache import CompileCache
+from orchestrator.train.epochdata import EpochData, is_pydataset
+from orchestrator.train.errors import JobError
 
 # XLA's flag for a CPU split into N devices (tests; DataParallel on one host).
 _CPU_SPLIT_FLAG = "--xla_force_host_platform_device_count"
@@ -77,8 +84,6 @@ def part_batches(part, seed: int, begin: int, end: int, global_batch: int,
     ``begin``. A generator: ``fit`` draws exactly ``steps_per_epoch`` batches per epoch; each
     batch is a tuple (x alone: ``(x,)``), as Keras requires of a generator's.
     ``rows``: only these rows of every global batch (a rank of a group feeds its own part)."""
-    from orchestrator.train import datasets
-
     n = datasets.rows(part)
     last = n - global_batch + 1 if drop_remainder else n
     for epoch in range(begin, end):
@@ -155,8 +160,6 @@ class JaxBackend:
 
     def import_framework(self) -> None:
         """Import JAX and Keras on it, or say in one line what to install."""
-        from orchestrator.train.jobcode import JobError
-
         try:
             import jax  # noqa: F401
             import keras
@@ -184,9 +187,6 @@ class JaxBackend:
     def configure(self, spec, cpu_devices: str | None, standby: bool) -> None:
         """Before JAX initialises its backend (its first device query): the environment is all
         it reads then."""
-        from orchestrator.core import backends, tpuvm
-        from orchestrator.core.rundir import ENV_STRATEGY
-
         if cpu_devices and int(cpu_devices) > 1:
             _add_xla_flags(f"{_CPU_SPLIT_FLAG}={int(cpu_devices)}")
         strategy = os.environ.get(ENV_STRATEGY) or spec.strategy  # a fallback's, if any
@@ -199,8 +199,6 @@ class JaxBackend:
             os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
         if spec.deterministic:
             _add_xla_flags(*DETERMINISTIC_GPU_FLAGS)
-        from orchestrator.train.compile_cache import CompileCache
-
         self.cache = CompileCache.for_spec(spec)
         self._pulled = self.cache.pull()
 
@@ -240,8 +238,6 @@ class JaxBackend:
         import jax
         import keras
 
-        from orchestrator.train.accelerators import AcceleratorUnavailable
-
         if group is not None and self.group is None:
             join_group(group)
             self.group = group
@@ -271,9 +267,6 @@ class JaxBackend:
 
     def train_data(self, data, seed: int, begin: int, end: int, global_batch: int,
                    drop_remainder: bool, skip_batches: int = 0):
-        from orchestrator.train import datasets
-        from orchestrator.train.epochdata import EpochData
-
         if isinstance(data.train, EpochData):  # the job's own batches (one process: fixed())
             return data.train.batches(seed, begin, end, skip_batches)
         rows = self.group.rows(global_batch) if self.group is not None else None
@@ -285,9 +278,6 @@ class JaxBackend:
                             skip_batches, rows=rows)
 
     def validation_data(self, data, global_batch: int, drop_remainder: bool):
-        from orchestrator.train import datasets
-        from orchestrator.train.epochdata import is_pydataset
-
         if data.validation is None or is_pydataset(data.validation):
             return data.validation  # a PyDataset: Keras's evaluate reads it in index order
         if datasets.is_tf_dataset(data.validation):
@@ -312,9 +302,6 @@ class JaxBackend:
     def validation_sample(self, val, global_batch: int):
         """One validation batch of the real shape (the standby's traced step compiles the
         evaluation for it)."""
-        from orchestrator.train import datasets
-        from orchestrator.train.epochdata import is_pydataset
-
         if val is None or is_pydataset(val):
             return None  # a PyDataset's evaluation is traced at the first epoch's end
         if datasets.is_tf_dataset(val):
