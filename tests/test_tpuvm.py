@@ -50,12 +50,8 @@ standby.Promotion.wait = lambda self: report(None)  # where it waits for the lin
 standby.lower_priority = lambda: 0
 logs.configure()  # as the worker's main does: its [standby] lines on stdout
 spec = load(sys.argv[1], run_dir=sys.argv[2], backend="jax")
-from types import SimpleNamespace
-from orchestrator.train import worker
-steps = SimpleNamespace(configure=worker.configure, guarded=worker.guarded,
-                        prepare=worker.prepare, run=worker.run)
 sys.exit(standby.serve(spec, RunDir.for_spec(spec).make(), 2, "import_only",
-                       PreemptionNotice(), time.time(), steps))
+                       PreemptionNotice(), time.time()))
 """
 
 

@@ -268,7 +268,7 @@ class CheckpointCallback(keras.callbacks.Callback):
         super().__init__()
         self.chief, self.on_commit = chief, on_commit
         self.store, self.ckpt, self.progress = store, ckpt, progress
-        self.spe, self.last_epoch = steps_per_epoch, last_epoch
+        self.steps_per_epoch, self.last_epoch = steps_per_epoch, last_epoch
         self.history = list(history)
         self.base_manifest, self.states = base_manifest, states
         self.notice = notice  # preemption.PreemptionNotice: SIGTERM -> commit now, then stop
@@ -315,7 +315,7 @@ class CheckpointCallback(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         self.writer.check()  # a failed background write stops training here, not silently
-        if self.progress.batch >= self.spe:
+        if self.progress.batch >= self.steps_per_epoch:
             return  # the epoch's last batch: its end commits (after validation and callbacks)
         metrics = {k: float(v) for k, v in (logs or {}).items()}
         if not self._preempted() and self._due():

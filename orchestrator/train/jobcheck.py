@@ -31,7 +31,7 @@ from orchestrator.train.errors import JobError
 def check(spec) -> str:
     """Every job-code check in the worker's order; returns what was built, in words."""
     if spec.tensorboard:  # before the framework's import, as the worker does
-        from orchestrator.train import tensorboard
+        from orchestrator.train import tensorboard  # here: it imports Keras
 
         tensorboard.require()
     backend = jobcode.import_framework(spec)

@@ -41,7 +41,8 @@ from orchestrator.core.heartbeat import Position, resident_bytes
 from orchestrator.core.journal import Journal
 from orchestrator.core.rundir import EXIT_PREEMPTED
 from orchestrator.core.standbymode import StandbyMode
-from orchestrator.train import holders, state
+from orchestrator.train import attempt
+from orchestrator.train import holders, outcome, state
 from orchestrator.train.preemption import Preempted
 
 log = logging.getLogger(__name__)
@@ -204,36 +205,33 @@ def _raising(exc: BaseException):
     return body
 
 
-def serve(spec, rd, attempt: int, mode: str, notice, t0: float, steps) -> int:
+def serve(spec, layout, number: int, mode: str, notice, t0: float) -> int:
     """Warm up at low priority, journal ``standby_ready``, wait for the promotion line on
-    stdin, then become ``attempt`` (the number the promotion line gives). A line that comes
-    during the warm-up adopts it (``Promotion``). ``steps``: the worker's ``configure``,
-    ``prepare``, ``run`` and ``guarded``, passed in by train/worker.py, which imports this
-    module: importing them back made a cycle, and under ``python -m`` a second copy of the
-    worker module."""
-    configure, guarded, prepare, run = steps.configure, steps.guarded, steps.prepare, steps.run
-
+    stdin, then become attempt ``number`` (the number the promotion line gives) through the
+    cold attempt's own steps (attempt.py). A line that comes during the warm-up adopts it
+    (``Promotion``)."""
     nice = lower_priority()
     promotion = Promotion(sys.stdin, nice)
     prep, ready_at = None, None
     try:
-        marks = configure(spec, t0)
+        marks = attempt.configure(spec, t0)
         if mode == StandbyMode.WARM and promotion.pending():
-            prep = prepare(spec, t0, marks)
+            prep = attempt.prepare(spec, t0, marks)
             if promotion.pending():
                 trace(prep)
                 prep.backend.after_compile()
                 marks["traced"] = round(time.time() - t0, 3)
         if promotion.pending():
             ready_at = time.time()
-            Journal(rd.journal).append(Event.STANDBY_READY, source="worker",
-                                       for_attempt=attempt, pid=os.getpid(), mode=mode,
-                                       phases_s=marks, rss=resident_bytes())
+            Journal(layout.journal).append(Event.STANDBY_READY, source="worker",
+                                           for_attempt=number, pid=os.getpid(), mode=mode,
+                                           phases_s=marks, rss=resident_bytes())
             log.info(f"ready ({mode}) after {ready_at - t0:.1f} s; waiting")
         order = promotion.wait()
     except (Exception, Preempted) as exc:  # noqa: BLE001 - a standby's failure is not fatal
         if promotion.adopted():  # it is the attempt now: its failure is the attempt's, recorded
-            return guarded(rd, promotion.order["attempt"], Position(), _raising(exc))
+            return outcome.guarded(layout, promotion.order["attempt"], Position(),
+                                   _raising(exc))
         if isinstance(exc, Preempted):
             return EXIT_PREEMPTED
         traceback.print_exc()
@@ -259,7 +257,7 @@ def serve(spec, rd, attempt: int, mode: str, notice, t0: float, steps) -> int:
 
     def body():
         marks = {}
-        return run(prep or prepare(spec, t_start, marks), rd, n, progress, t_start, marks,
-                   notice, standby=info)
+        return attempt.run(prep or attempt.prepare(spec, t_start, marks),
+                         attempt.Attempt(layout, n, progress, t_start, marks, notice, None, info))
 
-    return guarded(rd, n, progress, body)
+    return outcome.guarded(layout, n, progress, body)

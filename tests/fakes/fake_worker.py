@@ -44,7 +44,7 @@ from orchestrator.core.journal import Journal
 from orchestrator.core.osutil import write_atomic, write_json_atomic
 from orchestrator.core.rundir import RunDir
 from orchestrator.core.specload import load
-from orchestrator.train.worker import write_error_record
+from orchestrator.train.outcome import write_error_record
 
 STEPS = 10
 EXIT_PREEMPTED = 143
