@@ -41,17 +41,17 @@ class ExportError(Exception):
 
 
 def export(run_dir: str, out: str | None = None) -> dict:
-    rd = RunDir(os.path.abspath(run_dir))
-    info = read_json(rd.run_info)
+    layout = RunDir(os.path.abspath(run_dir))
+    info = read_json(layout.run_info)
     if not info:
-        raise ExportError(f"{rd.root}: not a run directory (no run.json)")
-    spec = load(rd.job_copy, run_dir=rd.root, backend=info.get("backend"))
+        raise ExportError(f"{layout.root}: not a run directory (no run.json)")
+    spec = load(layout.job_copy, run_dir=layout.root, backend=info.get("backend"))
     spec = dataclasses.replace(spec, job_dir=os.path.dirname(info.get("job_path")
-                                                             or rd.job_copy))
+                                                             or layout.job_copy))
     latest = tiers.for_spec(spec).latest_valid(
         on_skip=lambda c, why: log.info(f"skipped {c.path}: {why}"))
     if latest is None:
-        raise ExportError(f"{rd.root}: no checkpoint verifies; nothing to export")
+        raise ExportError(f"{layout.root}: no checkpoint verifies; nothing to export")
 
     jobcode.import_framework(spec)
     model = jobcode.resolve(spec, spec.model, "model")()
@@ -62,10 +62,10 @@ def export(run_dir: str, out: str | None = None) -> dict:
     if model.optimizer is not None:
         model.optimizer.build(model.trainable_variables)
     state.restore(model, state.load_arrays(latest), latest.manifest.get("holders"))
-    return write(model, spec, latest, out or rd.export)
+    return write(model, spec, latest, out or layout.export)
 
 
-def at_end(spec, rd: RunDir, store, model, journal, heart, attempt,
+def at_end(spec, layout: RunDir, store, model, journal, heart, attempt,
                    injector) -> None:
     """Export the model just trained when the run is complete, saving the exporter process's
     TensorFlow import and model build (seconds, at the end of every run). Only for a model
@@ -79,13 +79,13 @@ def at_end(spec, rd: RunDir, store, model, journal, heart, attempt,
     t0 = time.time()
     try:
         with heart.beating(phase=Phase.EXPORTING, epoch=final.epoch, step=final.step):
-            write(model, spec, final, rd.export)
+            write(model, spec, final, layout.export)
     except Exception as exc:  # noqa: BLE001 - the run is done; the supervisor's exporter retries
         log.info(f"export failed, the supervisor will retry it in its own process: "
                  f"{type(exc).__name__}: {exc}", extra={"tag": "worker"})  # the worker's line
         journal.append(Event.EXPORT_FAILED, source="worker", attempt=attempt, error=str(exc))
         return
-    journal.append(Event.EXPORTED, source="worker", attempt=attempt, path=rd.export,
+    journal.append(Event.EXPORTED, source="worker", attempt=attempt, path=layout.export,
                    step=final.step, seconds=round(time.time() - t0, 3))
 
 

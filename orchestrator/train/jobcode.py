@@ -1,13 +1,9 @@
 """The job's own code as the worker-side processes meet it: factories, data, model, compile.
 
-The worker (``worker.py``), the exporter (``export.py``) and the doctor's probe
-(``jobcheck.py``) all import TensorFlow, resolve the job's ``module:function`` factories and
-build and compile its model; this module does it once for the three of them. Every mistake
-found here is the job's, and it is raised as a ``JobError`` that names the job file and the key
-(``model``, ``data``, ``compile.optimizer``, ``callbacks[0]`` ...) with what was expected: the
-worker then exits ``EXIT_CONFIG`` with a fatal error record, which the supervisor classifies as
-``user_error`` and does not retry. Before this, an unknown optimizer or a factory's
-``TypeError`` was retried as ``unknown`` until the restart budget was spent (5.6 s an attempt).
+The worker (attempt.py), the exporter (export.py) and the doctor's probe (jobcheck.py) all
+resolve the job's ``module:function`` factories and build and compile its model through here.
+Every mistake found here is the job's: a ``JobError`` naming the job file, the key and what was
+expected, which the worker turns into ``EXIT_CONFIG`` (not retried).
 """
 from __future__ import annotations
 

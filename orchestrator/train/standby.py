@@ -1,29 +1,10 @@
-"""The standby worker's own pieces: low priority, the traced step, waiting for promotion.
+"""The standby worker: warm up beside the active worker, wait for promotion, become an attempt.
 
-A recovery after a kill used to be a cold start: a new process imports TensorFlow (over half
-of it), builds the model and traces the first step (5 s on ResNet-20). A standby does all of
-that while the active worker trains, then waits on its stdin; the supervisor promotes it by
-writing one line (``{"attempt": N}``) and it becomes attempt N through the very ``run`` a cold
-attempt uses (worker.py), which restores the newest verified checkpoint over whatever the
-standby holds. The pipe closes when the supervisor dies or discards it: then it exits.
-
-It must not slow the worker it stands behind: it lowers the priority of every thread it has
-(Linux nice values are per thread, and TensorFlow's pools are created during the warm-up, so
-they inherit it) and puts it back when promoted; it also asks the kernel's OOM killer to take
-it first. Putting it back needs root or a raised
-RLIMIT_NICE (Colab runs as root); where it cannot, the promoted worker says so in
-``worker_ready`` and trains at the lowered priority, which only matters beside other work.
-
-Its session's *autogroup* is left as it is, on purpose. Under ``kernel.sched_autogroup_enabled``
-(Linux's default) each session is scheduled as one group with an equal share, and the worker
-and the standby each have a session of their own, so the standby's nice 19 counts only inside
-its own session: while it warms up it takes up to half the CPU from a CPU-bound worker. Measured
-on 2 cores with ResNet-20 (bench, 2026-12-05): the worker's epochs took 1.8x as long for the
-~7 s the standby took to warm up, once per attempt. With the autogroup lowered to 19 as well, a standby
-never warmed up between kills 20 s apart (11 of 11 recoveries cold, goodput 0.60 against 0.885)
-and the worker still trained 1.18x slower beside it (the cost of any work on its cores there).
-A bounded, one-time slowdown that buys warm recoveries is the better trade; ``standby: off``
-is for runs where it is not.
+It runs ``configure`` and ``prepare`` (attempt.py) and traces one step at low priority (nice
+19, first for the OOM killer), journals ``standby_ready`` and waits on stdin; the promotion
+line (``{"attempt": N}``) makes it attempt N through the cold attempt's ``run``, with its
+priority put back. A closed pipe (discarded, or the supervisor gone) ends it. Why its session's
+autogroup is left as it is, with the figures: ARCHITECTURE.md, "The warm standby".
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 What differs from TensorFlow, and why:
 
 - **Nothing imports TensorFlow.** ``keras.utils.set_random_seed`` imports it whenever it is
-  installed (2.5 s, and on a TPU VM it may take libtpu); ``seed`` does what it does for JAX
+  installed (seconds, and on a TPU VM it may take libtpu); ``seed`` does what it does for JAX
   without it. The data of in-memory arrays is a NumPy generator whose order is a function of
   (seed, epoch) alone (``array_batches``), so a resumed epoch replays the same batches; a
   ``tf.data`` job still works where TensorFlow is installed, through the TensorFlow pipeline.
@@ -22,10 +22,9 @@ What differs from TensorFlow, and why:
   (``jax.distributed``, ``join_group``) under ``keras.distribution.DataParallel`` over every
   process's devices; each rank feeds only its own rows of every global batch
   (``Cluster.rows``), so N processes train exactly as one process with N devices would.
-- **Compilation is most of a cold start** (digits: 11-17 s to the first step without a
-  cache, 5 s with a warm one). The persistent compile cache lives in the local tier and is
-  mirrored to the run directory (``compile_cache.py``), so a recovery and a recycled VM start
-  warm.
+- **Compilation is most of a cold start** (BENCHMARKS.md, 5.4). The persistent compile cache
+  lives in the local tier and is mirrored to the run directory (``compile_cache.py``), so a
+  recovery and a recycled VM start warm.
 """
 from __future__ import annotations
 
