@@ -144,15 +144,20 @@ def write(model, spec, checkpoint, out: str) -> dict:
             "files": {n: {"sha256": sha256_file(os.path.join(tmp, n))} for n in sorted(files)},
         }
         write_json_atomic(os.path.join(tmp, "export.json"), facts)
-        if os.path.exists(final):
-            trash = f"{final}.trash-{uuid.uuid4().hex[:6]}"
-            os.rename(final, trash)
-            shutil.rmtree(trash, ignore_errors=True)
-        os.rename(tmp, final)
+        _into_place(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return dict(facts, path=final)
+
+
+def _into_place(tmp: str, final: str) -> None:
+    """``tmp`` renamed to ``final``; an earlier export there is moved aside and removed."""
+    if os.path.exists(final):
+        trash = f"{final}.trash-{uuid.uuid4().hex[:6]}"
+        os.rename(final, trash)
+        shutil.rmtree(trash, ignore_errors=True)
+    os.rename(tmp, final)
 
 
 _NO_CALL = ("the model defines no call() (a GAN or VAE driven by its own train_step): only its "

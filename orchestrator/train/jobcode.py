@@ -276,6 +276,19 @@ def _kept_still(model):
     return [(v, v.numpy()) for v in seeds]
 
 
+def _forward_and_loss(model, x, y, sample_weight):
+    """The forward pass and the loss as Keras's ``train_step`` computes them, not training."""
+    y_pred = model(x, training=False)
+    loss = getattr(model, "_compute_loss", None)
+    if loss is not None:
+        loss(x, y, y_pred, sample_weight, training=False)
+    elif "training" in inspect.signature(model.compute_loss).parameters:
+        model.compute_loss(x, y, y_pred, sample_weight, training=False)
+    else:  # a model of the job's that overrides compute_loss the Keras 3.0 way
+        model.compute_loss(x, y, y_pred, sample_weight)
+    return y_pred
+
+
 def first_step(spec: JobSpec, model, batch):
     """What ``fit`` will first do with a sample batch, before training: a model and data that
     do not fit fail here, named by both keys, instead of in ``fit`` as ``unknown``. It never
@@ -306,14 +319,7 @@ def first_step(spec: JobSpec, model, batch):
         finally:
             _put_back(kept)
     try:
-        y_pred = model(x, training=False)
-        loss = getattr(model, "_compute_loss", None)
-        if loss is not None:
-            loss(x, y, y_pred, sample_weight, training=False)
-        elif "training" in inspect.signature(model.compute_loss).parameters:
-            model.compute_loss(x, y, y_pred, sample_weight, training=False)
-        else:  # a model of the job's that overrides compute_loss the Keras 3.0 way
-            model.compute_loss(x, y, y_pred, sample_weight)
+        y_pred = _forward_and_loss(model, x, y, sample_weight)
     except backends.current().input_errors() as exc:
         # Keras wraps a layer's error in "Exception encountered when calling ..." and appends
         # "Arguments received by ...", whose tensor reprs say "shape": read the error itself.
