@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, replace
 from orchestrator.core import backends as core_backends
 from orchestrator.core.kinds import Kind
 
-from . import arms, report
+from . import arms, bigstate, report
 from .stats import side_by_side
 
 ARMS = ("orchestrator", "keras_fit_backup", "keras_fit")
@@ -35,14 +35,15 @@ SYNC_ARM, SYNC_JOBS = "orchestrator_sync", ("synthetic",)
 # costs, apart from the standby's warm-up on the cores the worker trains on.
 NOSTANDBY_ARM = "orchestrator_standby_off"
 PARTS = ("overhead", "goodput", "recovery", "cache", "standby", "kills", "goodput_2min",
-         "tiers")
+         "tiers", "bigstate")
 # The standby section (kill -> first step, standby auto vs off) runs only when asked for: the
 # goodput and recovery sections now measure the same recoveries, side by side, on both jobs.
 # The compile cache's (JAX only) runs when JAX is measured. Issue 27's parts (TensorFlow only):
 # kills (recovery by kind of kill, standby auto vs off), goodput_2min (a SIGKILL every ~2 min)
 # and tiers (the standby's warm-up tiers); a part whose config says 0 epochs is left out of that
 # mode (QUICK: goodput_2min and tiers).
-DEFAULT_PARTS = ("overhead", "goodput", "recovery", "cache", "kills", "goodput_2min", "tiers")
+DEFAULT_PARTS = ("overhead", "goodput", "recovery", "cache", "kills", "goodput_2min", "tiers",
+                 "bigstate")
 # Issue 27's three kinds of kill, one per attempt, in order (KillPlan.triggers):
 # (a) once the first attempt has a checkpoint, 20 s on: under auto no standby is behind a run's
 #     first attempt (by policy), and it starts one for attempt 3 only if the next kill is not
@@ -113,6 +114,13 @@ class Config:
     tiers_epochs: int = 0
     tiers_modes: tuple = ("import_only", "on", "off")
     tiers_trigger: str = "standby_ready+5"
+    # issue 37 (bench/bigstate.py): the MLP's width and hidden layers (0: not in this mode),
+    # its examples (20 steps an epoch at batch 32, 2 epochs: 5 checkpoints every 8 steps and
+    # one at each epoch's end) and each run's timeout
+    bigstate_width: int = 0
+    bigstate_hidden: int = 7
+    bigstate_examples: int = 640
+    bigstate_timeout_s: float = 900.0
 
 
 # FULL, timed on the 2 shared cores (a quiet hour, 2026-12-04), TensorFlow alone: overhead 2.7
@@ -142,7 +150,7 @@ FULL = Config("full", reps=1, digits_epochs=10, synth_examples=768, synth_epochs
               goodput_epochs=40, goodput_reps=1, goodput_timeout_s=420.0, kill_every_s=20.0,
               hang_timeout_s=6.0, synth_plain_fit=False, standby_epochs=60, standby_kills=2,
               standby_synth_epochs=16, kills_epochs=40, goodput_long_epochs=190,
-              tiers_epochs=150)
+              tiers_epochs=150, bigstate_width=4096)
 # QUICK's goodput job trains 48 epochs, not 16 or 32: on a quiet machine 16 took 10 s and the
 # run ended before the second kill, and at 32 (2026-12-05, 21:12) every arm had one kill, cold,
 # after which auto rightly started no standby (the run was expected to end first): a tie, 0.565
@@ -154,7 +162,8 @@ FULL = Config("full", reps=1, digits_epochs=10, synth_examples=768, synth_epochs
 QUICK = Config("quick", reps=1, digits_epochs=4, synth_examples=384, synth_epochs=3,
                fault_steps=2500, fault_epochs=187, fault_modes=("on",), fault_reps=1,
                goodput_epochs=48, goodput_reps=1, goodput_timeout_s=240.0, kill_every_s=20.0,
-               hang_timeout_s=6.0, cache_jobs=("digits",), kills_epochs=70)
+               hang_timeout_s=6.0, cache_jobs=("digits",), kills_epochs=70,
+               bigstate_width=512, bigstate_hidden=3, bigstate_timeout_s=300.0)
 RESTARTS = {"max": 10, "backoff": {"initial": arms.RESTART_DELAY_S, "max": arms.RESTART_DELAY_S}}
 # What each recovery fault dies of, as the supervisor classifies it. The raised error is a
 # storage error (a Drive mount that dropped): its whole ladder is a plain restart, which
@@ -568,6 +577,8 @@ def main(argv=None) -> int:
                                if tf and "goodput_2min" in parts else {})
     save()
     results["tiers"] = tiers(tf_jobs, cfg, work) if tf and "tiers" in parts else {}
+    save()
+    results["bigstate"] = bigstate.run(cfg, work, backends, say) if "bigstate" in parts else {}
     results["machine"]["load_after"] = report.machine()["load"]
     save()
     summary = report.summarise(results)

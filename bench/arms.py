@@ -327,13 +327,16 @@ def _trigger_of(watch: "OrchestratorWatch", attempt: int) -> dict:
 
 def run_keras(job: str, work_dir: str, backup: bool, loop_plan: KillPlan | None = None,
               loop: bool = False, timeout: float = 300.0, max_restarts: int = 10,
-              env: dict | None = None) -> dict:
-    """The plain script once (``loop=False``) or in the shell restart loop, killed per plan."""
+              env: dict | None = None, orbax: bool = False) -> dict:
+    """The plain script once (``loop=False``) or in the shell restart loop, killed per plan;
+    ``orbax``: with Orbax's async CheckpointManager (JAX) instead of BackupAndRestore."""
     os.makedirs(work_dir, exist_ok=True)
     events_path = os.path.join(work_dir, "events.jsonl")
     cmd = [sys.executable, BASELINE, job, "--events", events_path]
     if backup:
         cmd += ["--backup-dir", os.path.join(work_dir, "backup")]
+    if orbax:
+        cmd += ["--orbax-dir", os.path.join(work_dir, "orbax")]
     if loop:
         cmd = [RESTART_LOOP, *cmd]
     env = dict(os.environ if env is None else env, RESTART_DELAY=str(RESTART_DELAY_S),
@@ -357,6 +360,11 @@ def run_keras(job: str, work_dir: str, backup: bool, loop_plan: KillPlan | None 
         "last_error": last_error(os.path.join(work_dir, "out.log")),
         "recoveries": [dict(breakdown.baseline_recovery(lines, k["pid"], k["ts"]), pid=k["pid"])
                        for k in watch.kills],
+        # each save's time on the training thread and its bytes (BackupAndRestore, Orbax)
+        "saves": {"ms": [e["ms"] for e in lines if e["event"] == "checkpoint_saved"],
+                  "bytes": [e["bytes"] for e in lines if e.get("bytes") is not None and
+                            e["event"] in ("checkpoint_saved", "checkpoint_sized")]},
+        "fit_s": breakdown.baseline_fit_time(lines),
     }
 
 

@@ -189,6 +189,16 @@ def baseline_useful(lines: list[dict]) -> float:
     return round(total, 3)
 
 
+def baseline_fit_time(lines: list[dict]) -> float | None:
+    """The plain script's first process, first step -> ``fit`` returned: with Orbax, the wait
+    for its last asynchronous save included (its ``on_train_end``)."""
+    procs = _by_pid(lines)
+    evs = procs[0][1] if procs else []
+    first = next((e["ts"] for e in evs if e["event"] == "first_step"), None)
+    end = next((e["ts"] for e in evs if e["event"] == "train_end"), None)
+    return None if first is None or end is None else round(end - first, 3)
+
+
 def export_time(events: list[dict]) -> float | None:
     """Seconds spent writing the model for inference at the end of the run: the ``exported``
     event's own measure (the last worker's export, or the supervisor's exporter process)."""

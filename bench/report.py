@@ -10,7 +10,7 @@ import platform
 import sys
 from importlib import metadata
 
-from . import breakdown, standby_report, targets
+from . import bigstate, breakdown, standby_report, targets
 from .stats import (fmt_median, fmt_pct, fmt_ratio, fmt_s, fmt_yes, md_table, median,
                     paired_ratios, spread)
 from .targets import STALL_TARGET_MS, TRAIN_RATIO_TARGET
@@ -92,7 +92,7 @@ def backend_view(results: dict, backend: str) -> dict:
     part = results.get(backend) or {}
     return dict(results, overhead=part.get("overhead") or {}, goodput=part.get("goodput") or {},
                 recovery=part.get("recovery") or {}, cache=part.get("cache") or {}, standby={},
-                kills={}, goodput_2min={}, tiers={},  # issue 27's parts: TensorFlow's
+                kills={}, goodput_2min={}, tiers={}, bigstate={},  # issue 27's: TF's
                 jobs=part.get("jobs") or {}, **{backend: None})
 
 
@@ -180,6 +180,8 @@ def summarise(results: dict, limits: targets.Limits = targets.TENSORFLOW) -> dic
     s["targets"] = targets.target_rows(s, limits) + [
         standby_report.recovery_target_row(results)]
     s["trained_on"] = backends_trained(results)
+    if results.get("bigstate"):  # issue 37: every backend's, side by side, in one place
+        s["bigstate"] = bigstate.summary(results["bigstate"])
     if results.get("jax"):
         s["jax"] = summarise(backend_view(results, "jax"), targets.JAX)
         s["jax"]["cache"] = cache_summary(results["jax"].get("cache") or {})
@@ -461,6 +463,7 @@ def markdown(results: dict) -> str:
     if s["footprint"]:
         out += _footprint_markdown(s)
     out += _jax_markdown(results)
+    out += bigstate.markdown(s.get("bigstate") or {}, targets.bigstate_rows)
     return "\n".join(out)
 
 

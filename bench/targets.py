@@ -332,3 +332,42 @@ def goodput_markdown(s: dict, seed: int, mean_s: float, job: str,
         out += [f"Memory: the standby holds {fmt_s(a['standby_rss_mb'], 0)} MiB when ready, "
                 f"beside the worker's peak of {fmt_s(a['worker_peak_rss_mb'], 0)} MiB.", ""]
     return out
+
+
+# Issue 37's targets for a big state (bench/bigstate.py), each against arms of the same run.
+BIG_TRAIN_VS_BACKUP, BIG_TRAIN_VS_PLAIN = 1.05, 1.15
+BIG_STALL_MS_PER_GB = 20.0
+BIG_BYTES_RATIO = 1.1      # bytes per checkpoint, x the bytes that changed
+BIG_RSS_RATIO = 1.3        # the worker's peak RSS, x plain fit's
+BIG_RECOVERY_RATIO = 1.0   # kill -> next first step, x the run's cold start
+
+
+def bigstate_rows(x: dict) -> list[dict]:
+    """Issue 37's targets for one job and backend of the big-state part (its summary)."""
+    ours, backup, plain = x.get("orchestrator") or {}, x.get("keras_fit_backup") or {}, \
+        x.get("keras_fit") or {}
+    m, rec = x.get("model") or {}, x.get("recovery") or {}
+
+    def ratio(a, b):
+        return None if a is None or not b else round(a / b, 3)
+
+    def row(what, limit, value, fmt=fmt_ratio):
+        rows.append(_row(what, f"<= {limit}", fmt(value) if value is not None else
+                         "not measured", None if value is None else value <= limit))
+
+    rows: list[dict] = []
+    row("training time vs fit + BackupAndRestore", BIG_TRAIN_VS_BACKUP,
+        ratio(ours.get("train_s"), backup.get("train_s")))
+    row("training time vs plain fit", BIG_TRAIN_VS_PLAIN,
+        ratio(ours.get("train_s"), plain.get("train_s")))
+    gb = (m.get("state") or 0) / 1e9
+    row("median stall per checkpoint, ms per GB of state", BIG_STALL_MS_PER_GB,
+        None if ours.get("stall_ms") is None or not gb else round(ours["stall_ms"] / gb, 1),
+        fmt=lambda v: f"{v:.1f} ms/GB ({ours['stall_ms']:.0f} ms, {gb:.2f} GB)")
+    row("bytes per checkpoint vs bytes changed", BIG_BYTES_RATIO,
+        ratio(ours.get("bytes_per_checkpoint"), m.get("changed")),
+        fmt=lambda v: f"{fmt_ratio(v)} ({ours.get('bytes_counted')})")
+    row("worker peak RSS vs plain fit's", BIG_RSS_RATIO,
+        ratio(ours.get("peak_rss_mb"), plain.get("peak_rss_mb")))
+    row("kill -> next first step vs cold start", BIG_RECOVERY_RATIO, rec.get("ratio"))
+    return rows

@@ -24,6 +24,11 @@ if [ -n "$MISSING" ]; then
   echo "[setup] installing orchestrator[$EXTRAS] into $VENV (about a minute the first time)"
   "$VENV/bin/python" -m pip install -q --upgrade pip
   "$VENV/bin/python" -m pip install -q -e "$ROOT[$EXTRAS]"
+  if [[ ",$EXTRAS," == *",test,"* ]]; then
+    # jobs/lora's KerasHub backbone: with its dependencies keras-hub pulls tensorflow-text and
+    # the full tensorflow over tensorflow-cpu, so it comes without them (it imports without).
+    "$VENV/bin/python" -m pip install -q --no-deps "keras-hub==0.32.0" regex tokenizers
+  fi
   KEEP=""
   if [ -f "$STAMP" ] && [ "$(head -n1 "$STAMP")" = "$WANT" ]; then
     KEEP="$(tail -n +2 "$STAMP")"

@@ -709,3 +709,50 @@ def test_issue_27_s_sections_in_the_generated_markdown():
     assert "#### Warm-up tiers, one against another" in md and "| on | warm | 6.00 |" in md
     assert "no kill recovery slower than 1.0x" in md
     assert "| synthetic/kill at first_step+1.5, standby off (n=1) |" in md  # broken down
+
+
+def test_bigstate_counts_what_a_step_changes_trained_whole_or_with_the_backbone_frozen():
+    from bench import bigstate
+
+    args = {"features": 4, "width": 8, "hidden": 2, "classes": 3}
+    backbone, head = 4 * 8 + 8 + 8 * 8 + 8, 8 * 3 + 3
+    whole = bigstate.model_bytes(args, frozen=False)
+    assert whole["weights"] == 4 * (backbone + head)
+    assert whole["changed"] == 4 * 3 * (backbone + head) + 16 == whole["state"]
+    frozen = bigstate.model_bytes(args, frozen=True)
+    assert frozen["changed"] == 4 * 3 * head + 16
+    assert frozen["state"] == 4 * (backbone + head + 2 * head) + 16
+
+
+def test_bigstate_targets_judge_our_arm_against_the_plain_ones_of_the_same_run():
+    from bench import bigstate
+
+    def plain(train_s, rss, ms, size):
+        return {"rc": 0, "train_s": train_s, "peak_rss_mb": rss, "fingerprint": "f",
+                "saves": {"ms": ms, "bytes": [size] * len(ms)}}
+
+    gb = 10**9
+    ours = {"rc": 0, "train_s": 10.4, "worker_peak_rss_mb": 1400.0, "fingerprint": "w",
+            "checkpoints": {"stall_ms": [30.0, 10.0, 20.0], "write_ms": [900, 800, 1000]},
+            "state_bytes": [gb, gb, gb], "bytes_uploaded": []}
+    killed = {"rc": 0, "fingerprint": "w", "startup": {"total": 8.0},
+              "recoveries": [{"total": 10.0, "restored": 2.5, "path": "warm"}],
+              "dd_s": 0.4, "dd_bytes": gb, "standby_rss_mb": [900.0], "checkpoints": {
+                  "stall_ms": [], "write_ms": []}}
+    part = {"tensorflow": {"jobs": {"trained": {
+        "keras_fit": plain(9.5, 1000.0, [], 0), "keras_fit_backup": plain(10.0, 1100.0,
+                                                                          [400.0], gb),
+        "orchestrator": ours, "orchestrator_killed": killed}},
+        "model": {"trained": {"weights": gb // 3, "state": gb, "changed": gb}}}}
+    x = bigstate.summary(part)["tensorflow"]["trained"]
+    assert x["orchestrator"]["stall_ms"] == 20.0 and x["keras_fit_backup"]["stall_ms"] == 400.0
+    assert x["recovery"]["ratio"] == 1.25 and x["recovery"]["exact"] is True
+    rows = {r["what"]: r for r in targets.bigstate_rows(x)}
+    assert rows["training time vs fit + BackupAndRestore"]["passed"] is True  # 1.04
+    assert rows["training time vs plain fit"]["passed"] is True  # 1.095
+    assert rows["median stall per checkpoint, ms per GB of state"]["passed"] is True
+    assert rows["bytes per checkpoint vs bytes changed"]["passed"] is True
+    assert rows["worker peak RSS vs plain fit's"]["passed"] is False  # 1.4x
+    assert rows["kill -> next first step vs cold start"]["passed"] is False  # 1.25x
+    md = "\n".join(bigstate.markdown(bigstate.summary(part), targets.bigstate_rows))
+    assert "#### trained, tensorflow" in md and "**FAIL**" in md and "1.250x" in md

@@ -282,3 +282,60 @@ def test_a_decision_asked_again_for_the_same_attempt_is_journaled_only_when_its_
         keeper.decide(attempt)
     assert journaled == [(3, None, "next kill in 9.7 s"), (3, "warm", "saves 5 s"),
                          (4, "warm", "saves 6 s")]
+
+
+def test_a_standby_needs_memory_for_one_more_copy_of_the_state_too():
+    gib = 2**30
+    assert standby_policy.memory_allows(2 * gib, 3 * gib)[0]
+    ok, why = standby_policy.memory_allows(2 * gib, 3 * gib, state_bytes=2 * gib)
+    assert not ok and "needs about 4.5 GiB" in why and "the state's 2.0 GiB" in why, why
+    assert not standby_policy.memory_allows(None, 3 * gib, state_bytes=4 * gib)[0]
+
+
+def test_the_ledger_journals_the_state_s_size_from_the_manifest_and_the_evidence_takes_the_newest(
+        tmp_path):
+    from orchestrator.checkpoint.store import CheckpointStore
+    from orchestrator.supervise.ledger import CheckpointLedger
+
+    store = CheckpointStore(str(tmp_path / "ckpt"))
+    for step, size in ((5, 1000), (10, 3000)):
+        c = store.commit(step, lambda d, n=size: open(f"{d}/state.npz", "wb").write(b"x" * n),
+                         {"epoch": 0, "batch": step})
+    journaled = []
+    ledger = CheckpointLedger.__new__(CheckpointLedger)  # _journal needs only these
+    ledger.epochs, ledger.steps = set(), set()
+    ledger.journal = type("J", (), {"append": lambda self, event, **kw: journaled.append(
+        dict(kw, event=event))})()
+    for c in reversed(store.list()):  # the newest first: the evidence goes by step
+        ledger._journal(c)
+    assert [e["state_bytes"] for e in journaled] == [3000, 1000]  # the payload, not the manifest
+    assert Evidence.from_journal(journaled, is_preemption).state_bytes == 3000
+
+
+def test_auto_refuses_a_standby_when_the_newest_checkpoint_s_state_would_not_fit(monkeypatch):
+    """The worker's heartbeat RSS alone fits the memory left; with the state's size from the
+    newest checkpoint's manifest (journaled at its commit) it does not."""
+    from types import SimpleNamespace
+
+    from orchestrator.core import heartbeat
+    from orchestrator.recovery import oom
+    from orchestrator.supervise.standby import StandbyKeeper
+
+    gib = 2**30
+    monkeypatch.setattr(heartbeat, "read", lambda folder: {"rss": 3 * gib})
+    monkeypatch.setattr(oom, "headroom", lambda: 8 * gib)
+    events = [{"event": "checkpoint_committed", "epoch": 1, "step": 8, "ts": 1.0,
+               "state_bytes": 5 * gib}]
+    keeper = StandbyKeeper.__new__(StandbyKeeper)  # mode() needs only these
+    keeper.cmd = lambda *a: ["worker"]
+    keeper.cores = lambda: 8  # the CPU rule alone would say yes
+    keeper.spec = SimpleNamespace(workers=1, engine="local", standby="auto",
+                                  backend="tensorflow", epochs=10)
+    keeper.rd = SimpleNamespace(for_rank=lambda rank: "control")
+    keeper.recovery = SimpleNamespace(remedies=SimpleNamespace(
+        current_strategy=lambda: "cpu", seen=set()))
+    keeper.journal = SimpleNamespace(events=lambda: events)
+    mode, why = keeper.mode()
+    assert mode is None and "the state's 5.0 GiB" in why and "needs about 8.8 GiB" in why, why
+    events[0]["state_bytes"] = 1 * gib  # 3 x 1.25 + 1 = 4.75 GiB: it fits
+    assert keeper.mode()[0] is not None

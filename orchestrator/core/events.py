@@ -113,7 +113,7 @@ class Event:
     RESUME_NOT_EXACT = "resume_not_exact"
     #: an epoch is covered by a committed checkpoint
     EPOCH_COMPLETED = "epoch_completed"
-    #: a checkpoint was committed (either tier)
+    #: a checkpoint was committed (either tier); ``state_bytes``: the size of the state it holds
     CHECKPOINT_COMMITTED = "checkpoint_committed"
     #: a checkpoint due was not written, and why
     CHECKPOINT_SKIPPED = "checkpoint_skipped"

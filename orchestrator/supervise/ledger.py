@@ -30,6 +30,16 @@ from orchestrator.core.journal import Journal
 log = logging.getLogger(__name__)
 
 
+def state_bytes(manifest: dict) -> int | None:
+    """The state's size: the bytes of the files a checkpoint's manifest names (what a restore
+    reads into host memory, and a capture copies out of the device). The standby's memory rule
+    counts it (standby_policy.memory_allows)."""
+    files = manifest.get("files")
+    if not isinstance(files, dict):
+        return None
+    return sum(int(m.get("size") or 0) for m in files.values() if isinstance(m, dict))
+
+
 class CheckpointLedger:
     def __init__(self, store: TieredStore, journal: Journal, console,
                  on_progress: Callable[[], None], on_scanned: Callable[[], None]):
@@ -126,7 +136,8 @@ class CheckpointLedger:
         self.journal.append(Event.CHECKPOINT_COMMITTED, epoch=c.epoch,
                             batch=c.manifest.get("batch", 0), step=c.step, path=c.path,
                             weights_sha256=c.manifest.get("weights_sha256"),
-                            state_sha256=c.manifest.get("state_sha256"))
+                            state_sha256=c.manifest.get("state_sha256"),
+                            state_bytes=state_bytes(c.manifest))
         self.steps.add(c.step)
 
     def latest(self) -> Checkpoint | None:

@@ -201,12 +201,13 @@ class StandbyKeeper:
         if setting == ON and mode is not None:
             return mode, f"standby: on ({why})"
         if setting == "auto" and mode == WARM:
-            fits, why = standby_policy.memory_allows(
-                (heartbeat.read(self.rd.for_rank(0)) or {}).get("rss"), oom.headroom())
-            if not fits:
-                return None, f"auto: {why}"
             evidence = standby_policy.Evidence.from_journal(self.journal.events(),
                                                            is_preemption, self.spec.epochs)
+            fits, why = standby_policy.memory_allows(
+                (heartbeat.read(self.rd.for_rank(0)) or {}).get("rss"), oom.headroom(),
+                evidence.state_bytes)
+            if not fits:
+                return None, f"auto: {why}"
             ok, figures = standby_policy.worth_it(strategy, self.cores(), evidence,
                                                   now=time.time())
             return (WARM if ok else None), f"auto: {figures}"

@@ -36,7 +36,7 @@ A standby the next attempt finds still warming up is adopted, not discarded
 
 Before any of these, on any device: none where the memory left (``MemAvailable``, and a
 cgroup's limit less its usage) could not hold one (``memory_allows``: a standby holds about as
-much as the worker); that a GPU's own memory would hold it is not checked here (both workers
+much as the worker, and one more copy of the state, the newest checkpoint's size); that a GPU's own memory would hold it is not checked here (both workers
 then grow their GPU memory as they need it).
 
 ``standby: on`` always starts one (where the device allows), ``off`` never; the decision and
@@ -93,6 +93,8 @@ class Evidence:
     epoch: float | None = None
     epochs: int | None = None
     epochs_per_s: float | None = None
+    # the newest committed checkpoint's state, in bytes (its manifest's files)
+    state_bytes: int | None = None
 
     def training_left_s(self) -> float | None:
         """Seconds of training left after the newest commit at the run's pace; None when not
@@ -147,11 +149,15 @@ class Evidence:
             elif name == Event.STANDBY_PROMOTED and e.get("adopted"):
                 unready.append(float(e.get("age_s") or 0.0))  # adopted before it was ready
         newest = max((c for cs in commits.values() for c in cs), default=None)
+        sized = [e for e in events if e.get("event") == Event.CHECKPOINT_COMMITTED
+                 and e.get("state_bytes") is not None]
+        state = max(sized, key=lambda e: e.get("step") or 0)["state_bytes"] if sized else None
         paces = [(cs[-1][1] - cs[0][1]) / (cs[-1][0] - cs[0][0]) for cs in commits.values()
                  if len(cs) >= 2 and cs[-1][0] > cs[0][0] and cs[-1][1] > cs[0][1]]
         return cls(ended, killed, statistics.median(cold) if cold else None, warm_up,
                    tuple(unready), tuple(trained), tuple(gaps), last_kill,
-                   epoch=newest[1] if newest else None, epochs=epochs, epochs_per_s=statistics.median(paces) if paces else None)
+                   epoch=newest[1] if newest else None, epochs=epochs,
+                   epochs_per_s=statistics.median(paces) if paces else None, state_bytes=state)
 
 
 def _was_ready(discarded: dict) -> bool:
@@ -161,16 +167,22 @@ def _was_ready(discarded: dict) -> bool:
     return "warming up" not in (discarded.get("reason") or "")
 
 
-def memory_allows(worker_rss: int | None, headroom: int | None) -> tuple[bool, str]:
+def memory_allows(worker_rss: int | None, headroom: int | None,
+                  state_bytes: int | None = None) -> tuple[bool, str]:
     """Whether the memory left could hold a standby: it holds about as much as the worker
     (ResNet-20 on 2 cores: 939 MiB ready, beside the worker's peak of 1027 MiB), so it needs
-    the worker's resident size x ``MEMORY_MARGIN``. Unknown figures allow it."""
-    if not worker_rss or headroom is None:
+    the worker's resident size x ``MEMORY_MARGIN``; and one more copy of the state
+    (``state_bytes``, the newest checkpoint's): a promoted standby reads the checkpoint into host
+    arrays beside its model's, and the worker's own grows by a host copy of the state at each
+    capture, which a heartbeat between captures does not show (issue 37: a 1.2 GB state, the
+    worker's peak 5.0 GiB against plain fit's 2.9). Unknown figures allow it."""
+    if headroom is None or not (worker_rss or state_bytes):
         return True, "memory: not known"
-    need = worker_rss * MEMORY_MARGIN
+    need = (worker_rss or 0) * MEMORY_MARGIN + (state_bytes or 0)
     why = (f"{headroom / 2**30:.1f} GiB of memory available, a standby needs about "
-           f"{need / 2**30:.1f} GiB (the worker's {worker_rss / 2**30:.1f} GiB x "
-           f"{MEMORY_MARGIN})")
+           f"{need / 2**30:.1f} GiB (the worker's {(worker_rss or 0) / 2**30:.1f} GiB x "
+           f"{MEMORY_MARGIN}" + (f" + the state's {state_bytes / 2**30:.1f} GiB"
+                                  if state_bytes else "") + ")")
     return headroom >= need, why
 
 
