@@ -116,7 +116,7 @@ def main():
 def _stand_by(a, plan) -> int:
     """Warm up, journal standby_ready, wait for the promotion line; the attempt it names. A
     line during the warm-up adopts it (the real Promotion): it trains at once, never ready."""
-    from orchestrator.train.standby import Promotion
+    from orchestrator.train.promotion import Promotion
 
     spec = load(a.job, run_dir=a.run_dir)
     rd = RunDir.for_spec(spec)
