@@ -17,7 +17,7 @@ import yaml
 
 from orchestrator.core import heartbeat
 from orchestrator.ops import timeline
-from orchestrator.core.journal import Journal
+from orchestrator.core.journal import JournalTail
 from orchestrator.core.osutil import read_json
 from orchestrator.core.rundir import RunDir
 from orchestrator.core.specload import load
@@ -147,7 +147,7 @@ class OrchestratorWatch(_Watch):
         and heartbeat are written first; the run directory's copies lag up to 0.5 s."""
         super().__init__(plan)
         self.run_dir = control_dir
-        self.journal = Journal(os.path.join(control_dir, "events.jsonl"))
+        self.journal = JournalTail(os.path.join(control_dir, "events.jsonl"))
         self.last_beat: dict[int, float] = {}  # attempt -> time of its last heartbeat seen
         self._killed: set[int] = set()
 

@@ -13,12 +13,16 @@ A job given as keywords takes the keys of a job file; its functions (``model``, 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+import logging
 import numbers
 import os
 import signal
 
 import yaml
 
+from orchestrator.checkpoint.settle import policy_for
+from orchestrator.colab import remote
 from orchestrator.core import cellcode
 from orchestrator.core.rundir import EXIT_STOPPED, RunDir
 from orchestrator.core.spec import CELL_MODULE, SpecError
@@ -26,13 +30,16 @@ from orchestrator.core.specload import load
 from orchestrator.core.specload import load_mapping
 from orchestrator.supervise.supervisor import Supervisor
 
+log = logging.getLogger(__name__)
+
 SOURCE = "orchestrator.run()"  # what names a keyword job's mistakes, as a file names a YAML's
 _FUNCTION_KEYS = ("model", "data", "learning_rate")  # and each item of callbacks
 
 
 def run(job: str | None = None, run_dir: str | None = None, raise_on_interrupt: bool = True,
         faults=(), force: bool = False, remount=None, workers: int | None = None,
-        engine: str | None = None, backend: str | None = None, **job_keys) -> int:
+        engine: str | None = None, backend: str | None = None, flush_drive: bool = True,
+        **job_keys) -> int:
     """Start or resume the run of ``job`` (a job file), or of the job given by ``job_keys``
     (``model=function, data=function, name=..., epochs=..., batch_size=...`` and any other key
     of a job file); return 0 when it completed, non-zero otherwise.
@@ -43,6 +50,9 @@ def run(job: str | None = None, run_dir: str | None = None, raise_on_interrupt: 
     ``force`` resumes even though the model, data, optimizer or carried code changed;
     ``remount(dir)`` is called when the durable checkpoint folder's mount is lost (overrides
     checkpoint.remount). ``backend`` (auto | tensorflow | jax) overrides the job's.
+    ``flush_drive``: on Colab, once the run completed on Drive (a write-back cache,
+    checkpoint/settle.py), push the cache to the cloud (this unmounts Drive) and say what is
+    not settled.
     """
     if job is not None and job_keys:
         raise TypeError(f"orchestrator.run: give a job file or the job's keys, not both "
@@ -65,10 +75,37 @@ def run(job: str | None = None, run_dir: str | None = None, raise_on_interrupt: 
                                        engine=engine or spec.engine)
     sup = Supervisor(spec, faults=faults, force=force, remount=remount, cell=cell)
     rc = sup.run()
+    if rc == 0 and flush_drive and _on_colab() and policy_for(
+            spec.checkpoint, RunDir(spec.run_dir).checkpoints).writeback:
+        settle_drive(spec.run_dir, spec.checkpoint)
     if rc == EXIT_STOPPED and raise_on_interrupt and sup.stop_signal == signal.SIGINT:
         raise KeyboardInterrupt("orchestrator: the worker was stopped; run the cell again "
                                 "to resume")
     return rc
+
+
+def _on_colab() -> bool:
+    try:
+        return importlib.util.find_spec("google.colab") is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def settle_drive(run_dir: str, ck) -> dict | None:
+    """The notebook's end of a run on Colab: what ``orchestrator colab`` does before it stops a
+    runtime (colab/remote.flush_drive), in this kernel; says what is still not settled."""
+    found = remote.run_here(remote.flush_drive(
+        run_dir, ck.flush_timeout, ck.writeback_quiet_s, ck.writeback_bytes_per_s,
+        ck.writeback_margin)) or {}
+    if found.get("ok"):
+        log.info(f"Drive flushed in {found.get('seconds')} s: the final checkpoint, the export "
+                 f"and the journal are in the cloud. Drive is unmounted now; "
+                 f"drive.mount('/content/drive') mounts it again")
+    else:
+        log.warning(f"Drive could not be flushed ({found.get('error')}): "
+                    f"{', '.join(found.get('not_settled') or []) or 'nothing'} may not have "
+                    f"reached the cloud yet; keep this runtime a few minutes")
+    return found
 
 
 def keyword_job(job_keys: dict, run_dir: str | None = None):

@@ -28,9 +28,11 @@ def _cmd_run(args) -> int:
     except FaultSpecError as exc:
         print(f"orchestrator: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    # no flush of Drive here: `orchestrator colab` runs this command in a runtime and flushes
+    # from outside once it has brought the export home (a flush unmounts Drive under it)
     return run(args.job, run_dir=args.run_dir, raise_on_interrupt=False, faults=faults,
                force=args.force, workers=args.workers, engine=args.engine,
-               backend=args.backend)
+               backend=args.backend, flush_drive=False)
 
 
 def _cmd_colab(args) -> int:

@@ -167,11 +167,12 @@ def group_attempt(rd, engine, n: int = 3):
     journal = Journal(rd.journal)
     hang = SimpleNamespace(start=lambda n, size: None, remaining=lambda: 60.0, stepped=False,
                            run_dir=rd.control, beat=lambda rank, record=None: None)
-    slot = SimpleNamespace(events=queue.Queue(), hang=hang)
-    standby = SimpleNamespace(promote=lambda n, env: (None, None), exited=lambda *a: None)
+    slot = SimpleNamespace(events=queue.Queue(), hang=hang, clock=FakeClock())
+    standby = SimpleNamespace(promote=lambda n, env: (None, None), on_exit=lambda *a: None,
+                              on_training=lambda n: None, on_commit=lambda n: None)
     spec = SimpleNamespace(job_dir=os.path.dirname(rd.root), stop_grace=0.0, workers=2)
     attempt = Attempt(n, ["worker"], {}, spec=spec, rd=rd, slot=slot, journal=journal,
-                      standby=standby, engine=engine)
+                      standby=standby, engine=engine, group=True)
     attempt.start(from_epoch=1)
     return attempt, journal
 
@@ -250,3 +251,59 @@ class Said(Sequence):
 
     def __repr__(self) -> str:
         return repr(self._messages())
+
+
+def readme_run_dir_names() -> list[str]:
+    """The README's list of what a run directory holds: the backticked names of its "Run
+    directory:" paragraph up to "Nothing else", and the export's files its Export item names
+    (``export/...``). ``<n>``, ``<r>``: numbers; a name ending in / is a folder."""
+    import re
+
+    text = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    start = text.index("Run directory: ")
+    listed = text[start:text.index("Nothing else", start)]
+    export_item = text[text.index("- **Export.**"):]
+    export_item = export_item[:export_item.index("\n\n")]
+    return (re.findall(r"`([^`\s]+)`", listed)
+            + [n for n in re.findall(r"`([^`\s]+)`", export_item) if n.startswith("export/")])
+
+
+def unlisted_in_run_dir(run_dir, names: Sequence[str] | None = None) -> list[str]:
+    """What ``run_dir`` holds that ``names`` (default: the README's list) does not name: a
+    file or folder none of them matches, inside a listed folder whose contents are itemised
+    (a listed folder that no other name extends holds anything)."""
+    import re
+
+    names = readme_run_dir_names() if names is None else names
+    parts = [[re.compile(re.escape(seg).replace("<n>", r"\d+").replace("<r>", r"\d+"))
+              for seg in n.rstrip("/").split("/")] + ([None] if n.endswith("/") else [])
+             for n in names]
+    texts = [n.rstrip("/").split("/") for n in names]
+
+    def matches(pattern, segs):
+        return len(pattern) >= len(segs) and all(
+            p is not None and p.fullmatch(s) for p, s in zip(pattern, segs))
+
+    def listed(segs, is_dir):
+        for i, pattern in enumerate(parts):
+            words = [p for p in pattern if p is not None]
+            folder = pattern[-1] is None
+            if len(words) == len(segs) and matches(words, segs) and folder == is_dir:
+                return True  # named itself
+            if is_dir and len(words) > len(segs) and matches(words[:len(segs)], segs):
+                return True  # a folder some name goes into
+            leaf = folder and not any(len(t) > len(texts[i]) and t[:len(texts[i])] == texts[i]
+                                      for t in texts)
+            if leaf and len(words) < len(segs) and matches(words, segs[:len(words)]):
+                return True  # inside a folder whose contents are not itemised
+        return False
+
+    out = []
+    for dirpath, dirs, files in os.walk(run_dir):
+        rel = os.path.relpath(dirpath, run_dir)
+        base = [] if rel == "." else rel.split(os.sep)
+        stray = [d for d in dirs if not listed(base + [d], True)]
+        out += [f"{'/'.join(base + [d])}/" for d in stray]
+        dirs[:] = [d for d in dirs if d not in stray]  # a stray folder is named once, not walked
+        out += ['/'.join(base + [f]) for f in files if not listed(base + [f], False)]
+    return sorted(out)

@@ -368,7 +368,7 @@ def test_the_outer_journal_is_copied_into_the_run_directory_each_time_a_run_star
     cli.exec = exec_
     loop, clock, out = _loop(tmp_path, cli)
     assert loop.run() == 0
-    assert len(written) == 2  # when the run started, and at the end
+    assert len(written) == 2  # before the run starts (its supervisor reads it), and at the end
     assert f"/content/drive/MyDrive/runs/digits/{hosts.FILE}" in written[-1]
     assert Event.OUTER_ENDED in written[-1]
     assert os.path.isfile(loop.journal.path) and Journal(loop.journal.path).events()
@@ -397,3 +397,31 @@ def test_an_executable_that_is_not_there_is_named_with_how_to_install_it(tmp_pat
         executable(env={ENV_CLI: str(tmp_path / "nope")})
     with pytest.raises(FileNotFoundError, match="from --colab-cli"):
         executable(str(tmp_path / "nope"), env={})
+
+
+def _failed(kind):
+    return {"supervisor": "exited", "rc": 1, "status": {
+        "state": "failed", "step": 30, "last_error": f"attempt 3: {kind}",
+        "failure": {"kind": kind, "reason": "the ladder is spent"}}}
+
+
+def test_a_run_failed_of_a_broken_accelerator_gets_a_new_runtime_and_a_job_error_does_not(
+        tmp_path):
+    """accelerator_context survived a fresh process and a fresh TPU system on that runtime:
+    the next remedy is another runtime (the run resumes from Drive). The job's own error would
+    fail the same on any runtime."""
+    cli = ScriptedCLI(probes={"orc-digits-1": [_failed("accelerator_context")],
+                              "orc-digits-2": [DONE]})
+    loop, clock, out = _loop(tmp_path, cli)
+    assert loop.run() == 0
+    assert [c for c in cli.calls if c[0] in ("new", "start", "stop")] == [
+        ("new", "orc-digits-1"), ("start", "orc-digits-1"), ("stop", "orc-digits-1"),
+        ("new", "orc-digits-2"), ("start", "orc-digits-2"), ("stop", "orc-digits-2")]
+    assert [h.why for h in hosts.hosts(loop.journal.events())] == [
+        "accelerator_broken", "completed"]
+    assert "its accelerator stayed broken" in out.getvalue()
+
+    cli = ScriptedCLI(probes={"orc-digits-1": [_failed("user_error")]})
+    loop, clock, out = _loop(tmp_path / "b", cli)
+    assert loop.run() == 1
+    assert [c[1] for c in cli.calls if c[0] == "new"] == ["orc-digits-1"]

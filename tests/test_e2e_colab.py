@@ -15,6 +15,7 @@ import time
 
 import pytest
 
+from colabsim import SIM, control, namespaces_work, sim
 from helpers import ROOT, wait_while_running
 from test_e2e import DIGITS_JOB, _completed, digits_reference, write_job_files  # noqa: F401
 from orchestrator.core import hosts
@@ -24,37 +25,17 @@ from orchestrator.ops.status import run_status
 
 pytestmark = pytest.mark.e2e
 
-SIM = os.path.join(ROOT, "tests", "fakes", "colab_sim.py")
 RUN_DIR = "/content/drive/MyDrive/runs/digits"
 # a lost runtime's lock may be taken over 3 s after its last refresh (Colab: 120 s); no
 # standby (it would import TensorFlow a second time in a runtime, for nothing here)
 COLAB_JOB = DIGITS_JOB + "lock_stale_after: 3\nstandby: off\n"
 
 
-def _namespaces_work() -> bool:
-    try:
-        return subprocess.run(["unshare", "--mount", "--uts", "true"],
-                              capture_output=True).returncode == 0
-    except OSError:
-        return False
-
-
-def _sim(home, *args):
-    return subprocess.run([SIM, *args], env=dict(os.environ, COLAB_SIM_HOME=str(home)),
-                          capture_output=True, text=True)
-
-
-def _control(home, **keys):
-    path = home / "control.json"
-    data = json.loads(path.read_text()) if path.exists() else {}
-    path.write_text(json.dumps(dict(data, **keys)))
-
-
 def _drive_events(home):
     return Journal(str(home / "drive" / "MyDrive" / "runs" / "digits" / "events.jsonl")).events()
 
 
-@pytest.mark.skipif(not _namespaces_work(), reason="the simulator's runtimes need `unshare` "
+@pytest.mark.skipif(not namespaces_work(), reason="the simulator's runtimes need `unshare` "
                                                    "(root)")
 def test_a_run_survives_two_recycled_runtimes_and_a_refusal_with_the_uninterrupted_weights(
         tmp_path, backend, digits_reference):  # noqa: F811
@@ -82,8 +63,8 @@ def test_a_run_survives_two_recycled_runtimes_and_a_refusal_with_the_uninterrupt
                            "the first runtime's supervisor started", cap=180)
         time.sleep(rng.uniform(0.0, 1.5))
         assert not [e for e in _drive_events(home) if e["event"] == Event.FIRST_STEP]
-        _control(home, refuse=["capacity"])  # the next `colab new` is refused
-        assert _sim(home, "_recycle", first).returncode == 0
+        control(home, refuse=["capacity"])  # the next `colab new` is refused
+        assert sim(home, "_recycle", first).returncode == 0
         recycled.append((first, time.time()))
 
         # 2. the second runtime, mid-training at a random step
@@ -93,7 +74,7 @@ def test_a_run_survives_two_recycled_runtimes_and_a_refusal_with_the_uninterrupt
             e["event"] == Event.CHECKPOINT_COMMITTED and e["step"] >= target
             and e["ts"] > recycled[0][1] for e in _drive_events(home)),
             f"a checkpoint at step {target} or later on the second runtime", cap=300)
-        assert _sim(home, "_recycle", second).returncode == 0
+        assert sim(home, "_recycle", second).returncode == 0
         recycled.append((second, time.time()))
 
         out, _ = driver.communicate(timeout=400)

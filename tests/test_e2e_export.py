@@ -10,7 +10,7 @@ import sys
 import pytest
 
 import noimport
-from helpers import ROOT
+from helpers import ROOT, unlisted_in_run_dir
 from orchestrator.core.journal import Journal
 
 pytestmark = pytest.mark.e2e
@@ -51,6 +51,7 @@ def test_without_tensorflow_the_export_is_keras_and_weights_and_export_json_says
         assert "No module named 'tensorflow'" in facts["saved_model"]
         assert sorted(os.listdir(exp)) == ["export.json", "model.keras", "model.weights.h5"]
     assert "tensorflow" in noimport.attempted(tmp_path / "site")  # it was tried, and refused
+    assert unlisted_in_run_dir(run) == []  # a real completed run holds what the README lists
 
     # what was written is the run's model: the same predictions from both files (in this
     # process, which may be on either backend)

@@ -194,3 +194,59 @@ def test_a_tpu_held_by_another_process_is_busy_even_inside_jax_s_backend_error()
               "available backend)")
     assert failures.match_text(held).signature.kind == "accelerator_busy"
     assert failures.match_text(broken).signature.kind == "accelerator_context"
+
+
+# Issue 38: one family per library sentence the rule was written from, each in wrappers other
+# than its catalogue text's (another generation, a jax or TF exception around it, a log line).
+FAMILIES = {
+    "tpu_system_init_failed": ("accelerator_context", [
+        "E1203 10:11:12.000001    4242 tpu_hal.cc:251] Failed to initialize TPU system with "
+        "error: FAILED_PRECONDITION: Couldn't mmap: Resource temporarily unavailable",
+        "jax.errors.JaxRuntimeError: FAILED_PRECONDITION: Couldn't mmap: Operation not "
+        "permitted\n=== Source Location Trace: ===\nlearning/45eac/tpu/runtime/hal/tpu_hal.cc:249"]),
+    "tpu_hal_register_failed": ("accelerator_context", [
+        "F0101 00:00:01.000001 1234 tpu_hal_pxc_hardware_impl_registration.cc:12] Check failed: "
+        "tpu::TpuHalFactory::Register( tpu::TpuPlatformType::kHardware, tpu::TpuVersion::k1, "
+        "std::make_unique<tpu::TpuHalPxcHardwareFactory>()) is OK (FAILED_PRECONDITION: TPU "
+        "platform already registered\n*** Check failure stack trace: ***"]),
+    "keras_unseeded_random_in_jax_trace": ("user_error", [
+        "jax._src.traceback_util.UnfilteredStackTrace: ValueError: [JAX RNG] When tracing a JAX "
+        "function, you should only use seeded random ops, e.g. you should create a "
+        "`SeedGenerator` instance",
+        "ValueError: ... Unseeded random ops would get incorrectly traced by JAX and would "
+        "become constant after tracing."]),
+    "keras_backup_and_restore_unbuilt": ("user_error", [
+        "ValueError: To use the BackupAndRestore callback, you model must be built before you "
+        "call `fit()`. Model <Sequential name=sequential, built=False> is unbuilt.",
+        "ValueError: To use the BackupAndRestore method, your model must be built before you "
+        "call `fit()`. Model is unbuilt."]),
+    "tf_sparse_label_out_of_range": ("user_error", [
+        "tensorflow.python.framework.errors_impl.InvalidArgumentError: Graph execution error:\n"
+        "Detected at node sparse_categorical_crossentropy/SparseSoftmaxCrossEntropyWithLogits\n"
+        "  (0) INVALID_ARGUMENT:  Received a label value of 10 which is outside the valid range "
+        "of [0, 10).  Label values: 3 10 1 7"]),
+    "tpu_grpc_driver_unreachable": ("accelerator_unavailable", [
+        "E0212 08:00:00.000001: E external/xla/xla/python/tpu_driver/grpc_tpu_driver.cc:1070] "
+        "Failed to open the gRPC driver: 14: Connection reset by peer",
+        # jax's wrapper ends with its advice, later than the sentence: the cause still wins
+        "RuntimeError: Unable to initialize backend 'tpu_driver': DEADLINE_EXCEEDED: Failed to "
+        "open the gRPC driver (set JAX_PLATFORMS='' to automatically choose an available "
+        "backend)"]),
+}
+
+
+@pytest.mark.parametrize("sig", list(FAMILIES))
+def test_each_issue_38_family_is_named_from_its_library_sentence(sig):
+    kind, texts = FAMILIES[sig]
+    for text in texts:
+        m = match_text(text)
+        assert m is not None, text
+        assert (m.signature.kind, m.signature.id) == (kind, sig), text
+        assert classify(1, None, text).kind == kind
+
+
+def test_the_tpu_rules_need_the_tpu_and_keras_needs_its_own_words():
+    """'Couldn't mmap' alone is no TPU (a dataset file can fail so), nor a plain 'must be
+    built' (Keras's export says it too, of another call)."""
+    assert match_text("OSError: Couldn't mmap /data/train.bin: Cannot allocate memory") is None
+    assert match_text("ValueError: The model must be built before export.") is None

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from orchestrator.core.journal import Journal
+from orchestrator.core.journal import Journal, JournalTail
 from orchestrator.core.lock import LockedError, RunLock
 
 
@@ -17,6 +17,29 @@ def test_journal_appends_and_skips_a_torn_line(tmp_path):
     j.append("b", x=2)
     assert [(e["event"], e["x"]) for e in j.events()] == [("a", 1), ("b", 2)]
     assert [e["event"] for e in j.events("b")] == ["b"]
+
+
+def test_a_tail_reads_only_what_was_appended_and_the_same_records_as_a_full_read(tmp_path,
+                                                                            monkeypatch):
+    j = Journal(str(tmp_path / "events.jsonl"))
+    tail = JournalTail(j.path)
+    assert tail.events() == []  # no journal yet
+    j.append("a", x=1)
+    with open(j.path, "a") as f:
+        f.write('{"ts": 1, "event": "tor')  # a writer killed mid-line: waits, then is skipped
+    assert [e["event"] for e in tail.events()] == ["a"]
+    parsed = []
+    real = json.loads
+    monkeypatch.setattr(json, "loads", lambda b: parsed.append(b) or real(b))
+    j.append("b", x=2)
+    tailed = [e["event"] for e in tail.events()]
+    by_tail = list(parsed)
+    assert tailed == ["a", "b"] == [e["event"] for e in j.events()]
+    assert [b'"event": "b"' in p for p in by_tail] == [False, True]  # the torn one, then b:
+    assert not any(b'"event": "a"' in p for p in by_tail)  # "a" was not parsed again
+    os.replace(str(tmp_path / "events.jsonl"), str(tmp_path / "old.jsonl"))
+    Journal(j.path).append("c")  # replaced by a shorter file: read afresh
+    assert [e["event"] for e in tail.events()] == ["c"]
 
 
 def test_journal_holds_events_while_its_folder_fails_then_writes_them_in_order(tmp_path,

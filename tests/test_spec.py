@@ -201,7 +201,10 @@ TIERS = VALID.replace("checkpoint: {every_epochs: 2, keep: 4}", """checkpoint:
   local_dir: ~/fast/ckpt
   remount: colab
   flush_timeout: 30
-  upload_backoff: {initial: 0.5, max: 8}""")
+  upload_backoff: {initial: 0.5, max: 8}
+  durable_cache: writeback
+  durable_max_bytes: 5000000000
+  writeback: {quiet_s: 12, bytes_per_s: 20000000, margin: 3}""")
 
 
 def test_checkpoint_tiers_and_retention_keys(write_job, tmp_path):
@@ -211,6 +214,8 @@ def test_checkpoint_tiers_and_retention_keys(write_job, tmp_path):
     assert (c.flush_timeout, c.upload_backoff_initial, c.upload_backoff_max) == (30, 0.5, 8)
     r = c.retention
     assert (r.keep, r.every_epochs, r.best_metric, r.best_mode) == (2, 5, "val_accuracy", "max")
+    assert (c.durable_cache, c.durable_max_bytes) == ("writeback", 5_000_000_000)
+    assert (c.writeback_quiet_s, c.writeback_bytes_per_s, c.writeback_margin) == (12, 2e7, 3)
 
 
 def test_default_local_tier_is_per_run_and_stable(write_job, tmp_path):
@@ -232,6 +237,12 @@ def test_default_local_tier_is_per_run_and_stable(write_job, tmp_path):
     ("local_dir: ~/fast/ckpt", "local_dir: RUN/checkpoints", "checkpoint.local_dir",
      "the durable tier"),
     ("flush_timeout: 30", "flush_timeout: later", "checkpoint.flush_timeout", "expected a number"),
+    ("durable_cache: writeback", "durable_cache: lazy", "checkpoint.durable_cache",
+     "expected one of auto, writeback, none"),
+    ("durable_max_bytes: 5000000000", "durable_max_bytes: 0", "checkpoint.durable_max_bytes",
+     "expected an integer >= 1"),
+    ("margin: 3}", "margin: 0.5}", "checkpoint.writeback.margin", "expected a number >= 1"),
+    ("margin: 3}", "margin: 3, delay: 1}", "checkpoint.writeback.delay", "unknown key"),
 ])
 def test_checkpoint_key_errors(write_job, tmp_path, old, new, key, expected):
     path = write_job(TIERS.replace(old, new.replace("RUN", str(tmp_path / "r"))))
@@ -239,6 +250,30 @@ def test_checkpoint_key_errors(write_job, tmp_path, old, new, key, expected):
         load(path, run_dir=str(tmp_path / "r"))
     assert f"key '{key}'" in str(e.value) and expected in str(e.value), str(e.value)
     assert str(e.value).startswith(f"{path}:")
+
+
+@pytest.mark.parametrize("url", ["gs://ckpt/runs/a", "s3://ckpt/runs/a"])
+def test_checkpoint_durable_may_be_a_bucket(write_job, tmp_path, url):
+    path = write_job(TIERS.replace("remount: colab", f"remount: colab\n  durable: {url}"))
+    c = load(path, run_dir=str(tmp_path / "r")).checkpoint
+    assert c.durable == url
+
+
+@pytest.mark.parametrize("url, expected", [
+    ("az://ckpt/a", "expected gs://bucket/prefix or s3://bucket/prefix, got 'az://ckpt/a'"),
+    ("/mnt/ckpt", "expected gs://bucket/prefix or s3://bucket/prefix"),
+    ("gs://", "expected gs://bucket/prefix"),
+    ("gs://ckpt/a", "needs no_such_gcs_library: pip install 'orchestrator[gcs]'"),
+])
+def test_checkpoint_durable_errors(write_job, tmp_path, monkeypatch, url, expected):
+    """An unknown scheme, or a bucket whose library is not installed: the file, the key and
+    the command that installs it."""
+    monkeypatch.setitem(spec_mod.OBJECT_STORES, "gs", ("no_such_gcs_library", "gcs"))
+    path = write_job(TIERS.replace("remount: colab", f"remount: colab\n  durable: {url}"))
+    with pytest.raises(SpecError) as e:
+        load(path, run_dir=str(tmp_path / "r"))
+    assert str(e.value).startswith(f"{path}:") and "key 'checkpoint.durable'" in str(e.value)
+    assert expected in str(e.value), str(e.value)
 
 
 def test_every_mistake_of_a_job_file_is_reported_at_once(write_job, capsys):
@@ -421,5 +456,5 @@ def test_a_durable_url_is_gs_or_s3(write_job, value, ok):
         c = load(path).checkpoint
         assert (c.durable, c.durable_cache) == (value, "writeback")
     else:
-        with pytest.raises(SpecError, match=r":15: key 'checkpoint.durable': expected a URL"):
+        with pytest.raises(SpecError, match=r":15: key 'checkpoint.durable': expected gs://bucket/prefix or s3://bucket/prefix"):
             load(path)

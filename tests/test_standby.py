@@ -65,26 +65,6 @@ def test_a_standby_starts_only_once_the_worker_trains(fake_job):
 
 
 @pytest.mark.integration
-def test_an_action_that_needs_a_fresh_process_discards_the_standby(fake_job):
-    job = fake_job(epochs=4, extra="recovery: {ladders: {unknown: [reinit_accelerator, restart]}}"
-                                  "\n            standby: on")
-    plan = dict(SLOW, exit_at_epoch={"1": [3, 1]})
-    rc, out, events = supervise(job, plan, standby=True)
-    assert rc == 0, out
-    discarded = _ev(events, "standby_discarded")
-    assert discarded[0]["for_attempt"] == 2 and discarded[0]["was_alive"]
-    assert "reinit_accelerator needs a fresh process" in discarded[0]["reason"]
-    # discarded before the action is journaled (a reinstall must not run beside it)
-    order = [e["event"] for e in events]
-    assert order.index("standby_discarded") < order.index("recovery")
-    started = _ev(events, "attempt_started")
-    assert [e["path"] for e in started] == ["cold", "cold"]
-    assert started[1]["cold_reason"] == "no standby was up"
-    assert not _ev(events, "standby_promoted")
-    _all_gone(events)
-
-
-@pytest.mark.integration
 def test_a_standby_that_fails_to_warm_up_is_replaced_once_then_the_recovery_is_cold(fake_job):
     # the kill at epoch 7: time for both warm-ups to fail first, with the machine loaded (at
     # epoch 4 the replacement had not failed yet once, beside three other test processes)
@@ -120,16 +100,6 @@ def test_a_standby_still_warming_up_is_adopted_and_trains_without_finishing_its_
     _all_gone(events)
 
 
-@pytest.mark.integration
-def test_standby_off_starts_none(fake_job):
-    rc, _, events = supervise(fake_job(epochs=3, extra="standby: off"),
-                              dict(SLOW, exit_at_epoch={"1": [2, -9]}), standby=True)
-    assert rc == 0
-    assert not _ev(events, "standby_started")
-    assert [e.get("cold_reason") for e in _ev(events, "attempt_started")] == [
-        "standby: off", "standby: off"]
-
-
 @pytest.mark.parametrize("setting, strategy, accelerator, backend, mode", [
     ("auto", "cpu", "cpu", "tensorflow", WARM),
     ("auto", "gpu", "gpu", "jax", WARM),
@@ -144,27 +114,6 @@ def test_standby_off_starts_none(fake_job):
 ])
 def test_the_mode_per_setting_strategy_and_backend(setting, strategy, accelerator, backend, mode):
     assert mode_for(setting, strategy, accelerator, backend)[0] == mode
-
-
-@pytest.mark.integration
-def test_a_standby_is_unfit_when_the_next_attempt_s_settings_changed(tmp_path):
-    import queue
-
-    log = str(tmp_path / "standby.log")
-    sb = Standby(2, WARM, [sys.executable, "-c", "import sys; sys.stdin.readline()"],
-                 dict(os.environ, ORCHESTRATOR_BATCH_SIZE="16"), str(tmp_path), log,
-                 queue.Queue(), Journal(str(tmp_path / "events.jsonl"))).start()
-    try:
-        same = dict(os.environ, ORCHESTRATOR_BATCH_SIZE="16")
-        assert sb.unfit("restart", same) is None
-        assert "ORCHESTRATOR_BATCH_SIZE" in sb.unfit("restart", dict(os.environ))
-        assert "ORCHESTRATOR_STRATEGY" in sb.unfit(
-            "restart", dict(same, ORCHESTRATOR_STRATEGY="cpu"))
-        assert "halve_batch needs a fresh process" in sb.unfit("halve_batch", same)
-    finally:
-        sb.discard("test over")
-    sb.proc.wait(5)
-    assert "exited" in sb.unfit("restart", same)
 
 
 @pytest.mark.integration

@@ -297,10 +297,13 @@ def test_the_ledger_journals_the_state_s_size_from_the_manifest_and_the_evidence
     from orchestrator.checkpoint.store import CheckpointStore
     from orchestrator.supervise.ledger import CheckpointLedger
 
+    import numpy as np
+
     store = CheckpointStore(str(tmp_path / "ckpt"))
-    for step, size in ((5, 1000), (10, 3000)):
-        c = store.commit(step, lambda d, n=size: open(f"{d}/state.npz", "wb").write(b"x" * n),
-                         {"epoch": 0, "batch": step})
+    frozen = np.ones(1000, np.uint8)
+    # the second shares the first's array: its blob is written once, yet the state holds it
+    for step, arrays in ((5, {"a": frozen}), (10, {"a": frozen, "b": np.zeros(2000, np.uint8)})):
+        store.commit(step, None, {"epoch": 0, "batch": step}, arrays=arrays)
     journaled = []
     ledger = CheckpointLedger.__new__(CheckpointLedger)  # _journal needs only these
     ledger.epochs, ledger.steps = set(), set()
@@ -308,7 +311,7 @@ def test_the_ledger_journals_the_state_s_size_from_the_manifest_and_the_evidence
         dict(kw, event=event))})()
     for c in reversed(store.list()):  # the newest first: the evidence goes by step
         ledger._journal(c)
-    assert [e["state_bytes"] for e in journaled] == [3000, 1000]  # the payload, not the manifest
+    assert [e["state_bytes"] for e in journaled] == [3000, 1000]  # the arrays, shared ones too
     assert Evidence.from_journal(journaled, is_preemption).state_bytes == 3000
 
 

@@ -9,7 +9,8 @@ import time
 
 import pytest
 
-from helpers import ROOT, live, supervise, supervisor_process, wait_until, wait_while_running
+from helpers import (ROOT, live, readme_run_dir_names, supervise, supervisor_process,
+                     unlisted_in_run_dir, wait_until, wait_while_running)
 from orchestrator.core import heartbeat
 from orchestrator.core.journal import Journal
 from orchestrator.core.osutil import pid_alive
@@ -37,6 +38,26 @@ def test_clean_run_completes_and_journals_each_epoch_once(fake_job):
     assert "completed: 4 epochs" in out
 
 
+# What the fake worker itself writes into the run directory for the tests to read (its pid, the
+# recovery overrides it was given): not the product's.
+FAKE_WORKER_FILES = ["fake-<n>.pid", "fake-<n>.env.json"]
+
+
+def test_a_completed_run_directory_holds_only_what_the_readme_lists(fake_job, tmp_path):
+    """Attempt 1 is SIGKILLed mid-run, attempt 2 after its last commit, in its export (the
+    staging folder made, nothing in it yet): the run completes, and its directory holds what
+    the README's list names, the killed export's folder gone."""
+    plan = {"exit_at_epoch": {"1": [2, -9]}, "killed_exporting": ["2"], "batches": 3}
+    rc, out, events = _run(fake_job(epochs=3), plan)
+    assert rc == 0, out
+    assert [e.get("exit_code") for e in events if e["event"] == "attempt_ended"] == [-9, -9]
+    assert "removed export.tmp-" in out and "killed half-way" in out
+    run, listed = tmp_path / "run", readme_run_dir_names() + FAKE_WORKER_FILES
+    assert unlisted_in_run_dir(run, listed) == []
+    (run / "export.tmp-1-abcdef").mkdir()  # the comparison sees what the list does not name
+    assert unlisted_in_run_dir(run, listed) == ["export.tmp-1-abcdef/"]
+
+
 def test_killed_worker_is_restarted_and_resumes_after_last_commit(fake_job):
     plan = {"exit_at_epoch": {"1": [3, -9], "2": [4, -9]}}
     rc, out, events = _run(fake_job(epochs=5), plan)
@@ -50,67 +71,12 @@ def test_killed_worker_is_restarted_and_resumes_after_last_commit(fake_job):
     assert "killed by SIGKILL" in out
 
 
-def test_restart_budget_is_enforced_with_a_clear_message(fake_job):
-    plan = {"exit": {str(n): 1 for n in range(1, 10)}}
-    rc, out, events = _run(fake_job(restarts="{max: 2, backoff: {initial: 0.01}}"), plan)
-    assert rc == 1
-    assert sum(e["event"] == "attempt_started" for e in events) == 3
-    failed = events[-1]
-    assert failed["event"] == "run_failed" and "restart budget of 2 spent" in failed["reason"]
-    assert failed["error"]["message"] == "planned exit 1"
-    assert "FAILED at epoch 0/4: restart budget of 2 spent" in out
-
-
-def test_backoff_grows_between_restarts_that_make_no_progress(fake_job):
-    plan = {"exit": {"1": 1, "2": 1, "3": 1}}
-    _, _, events = _run(fake_job(restarts="{max: 3, backoff: {initial: 0.05, max: 1, "
-                                          "multiplier: 4}}",
-                                 extra="recovery: {crash_loop: {same_failure: 4}}"), plan)
-    delays = [e["delay_s"] for e in events if e["event"] == "restart"]
-    assert delays == [0.0, 0.05, 0.2]  # the first restart after progress is immediate
-
-
-def test_config_error_exit_is_not_retried(fake_job):
-    rc, out, events = _run(fake_job(), {"exit": {"1": 78}})
-    assert rc == 1
-    assert sum(e["event"] == "attempt_started" for e in events) == 1
-    assert "a restart cannot fix it" in events[-1]["reason"]
-
-
 def test_worker_exit_is_noticed_at_once(fake_job):
     _, _, events = _run(fake_job(restarts="{max: 1, backoff: {initial: 0}}"),
                         {"exit": {"1": 3}})
     start = next(e for e in events if e["event"] == "attempt_started")
     end = next(e for e in events if e["event"] == "attempt_ended")
     assert end["ts"] - start["ts"] < 2.0  # a python start-up, not a polling period
-
-
-def test_second_run_of_a_completed_job_starts_no_worker(fake_job):
-    job = fake_job(epochs=2)
-    _run(job, {})
-    rc, out, events = _run(job, {})
-    assert rc == 0
-    assert sum(e["event"] == "attempt_started" for e in events) == 1
-    assert sum(e["event"] == "run_completed" for e in events) == 1
-
-
-def test_mid_epoch_checkpoints_journal_each_epoch_once(fake_job):
-    rc, _, events = _run(fake_job(epochs=4), {"mid_epoch": True,
-                                              "exit_at_epoch": {"1": [3, -9]}})
-    assert rc == 0
-    assert _epochs(events) == [1, 2, 3, 4]
-    committed = [(e["epoch"], e["batch"]) for e in events if e["event"] == "checkpoint_committed"]
-    assert (2, 5) in committed and (2, 0) in committed and len(committed) == len(set(committed))
-
-
-def test_training_ended_early_by_a_callback_counts_as_completed(fake_job):
-    job = fake_job(epochs=6)
-    rc, out, events = _run(job, {"stop_early": {"1": 2}})
-    assert rc == 0, out
-    assert _epochs(events) == [1, 2]
-    assert events[-1]["event"] == "run_completed" and events[-1]["epochs"] == 2
-    rc, _, events = _run(job, {})
-    assert rc == 0 and sum(e["event"] == "attempt_started" for e in events) == 1
 
 
 def test_supervisor_killed_then_rerun_resumes_and_stops_the_orphan(fake_job, tmp_path):
@@ -218,30 +184,6 @@ def test_supervisor_side_never_imports_tensorflow():
             "print(bad); sys.exit(1 if bad else 0)")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert p.returncode == 0, p.stdout + p.stderr
-
-
-def test_a_new_run_where_a_deleted_one_was_does_not_resume_its_local_checkpoints(
-        fake_job, tmp_path):
-    import shutil
-
-    job = fake_job(epochs=2)
-    rc, _, first = _run(job, {})
-    assert rc == 0
-    local = first[-1]["checkpoint"].rsplit(os.sep, 1)[0]  # the local tier's folder
-    assert os.listdir(local)
-    rc, _, again = _run(job, {})  # the same run again: it is complete, nothing set aside
-    assert rc == 0 and "local_checkpoints_set_aside" not in [e["event"] for e in again]
-
-    shutil.rmtree(tmp_path / "run")  # the user throws the run away and starts anew
-    rc, out, events = _run(job, {})
-    assert rc == 0
-    aside = next(e for e in events if e["event"] == "local_checkpoints_set_aside")
-    assert aside["path"] == local  # kept, not deleted: the earlier final checkpoint is there
-    assert os.path.basename(first[-1]["checkpoint"]) in os.listdir(aside["moved_to"])
-    assert aside["entries"] == len(os.listdir(aside["moved_to"]))
-    started = [e for e in events if e["event"] == "attempt_started"]
-    assert [e["from_epoch"] for e in started] == [0]  # trained from scratch
-    assert _epochs(events) == [1, 2] and "starts from scratch" in out
 
 
 def test_sigterm_to_the_supervisor_is_a_preemption_notice_the_worker_saves_its_step(fake_job,

@@ -325,3 +325,34 @@ def test_the_mount_dropping_between_any_two_calls_never_ends_the_mirror(tiers, t
     m.stop()
     assert _durable_verified(tiers) == [1, 2, 3]
     assert len(_events(journal, "durable_unreachable")) == len(_events(journal, "durable_restored"))
+
+
+def test_the_supervisors_bookkeeping_hashes_a_checkpoint_once_a_restore_every_time(
+        tiers, tmp_path, monkeypatch):
+    """Between a worker's death and the next one's start the supervisor asks for the newest
+    checkpoint four times (the run complete? the epoch reached, journaled, started from): an
+    unchanged copy it hashed already is not hashed again. A restore always hashes; a copy
+    whose blob changed is hashed again, and a rotten one is passed over."""
+    from orchestrator.checkpoint.blobset import BlobSet
+    from orchestrator.supervise.ledger import CheckpointLedger
+
+    hashed = []
+    real = BlobSet.hashes_right
+    monkeypatch.setattr(BlobSet, "hashes_right", lambda self, h: hashed.append(h) or real(self, h))
+    _commit(tiers, 1)
+    past = time.time() - 10  # written a while ago: not "racily clean" (BlobSet.vouched)
+    for root, _, files in os.walk(tiers.local.root):
+        for name in files:
+            os.utime(os.path.join(root, name), (past, past))
+    ledger = CheckpointLedger(tiers, Journal(str(tmp_path / "events.jsonl")), console=None,
+                              on_progress=lambda: None, on_scanned=lambda: None)
+    assert ledger.latest().step == 1 and hashed  # the first look hashes it
+    hashed.clear()
+    for _ in range(4):
+        assert ledger.latest().step == 1
+    assert hashed == []
+    assert tiers.latest_valid().step == 1 and hashed  # a restore hashes again
+    hashed.clear()
+    with open(_blob(tiers.local, 1), "r+b") as f:
+        f.write(b"X")  # same size; a new mtime
+    assert ledger.latest() is None and hashed

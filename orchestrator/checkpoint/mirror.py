@@ -15,18 +15,23 @@ from __future__ import annotations
 
 import errno
 import importlib
+import logging
 import sys
 import threading
 from typing import Callable
 
 from tenacity import Retrying, retry_if_exception_type, wait_exponential
 
+from orchestrator.checkpoint.settle import Immediate, Settling, durable_to_retire, written_here
 from orchestrator.checkpoint.store import Checkpoint, Retention
 from orchestrator.core.clock import SYSTEM, Clock
 from orchestrator.core.journal import Journal
 from orchestrator.checkpoint.tiers import TieredStore, is_durable, mark_durable, unmark_durable
 from orchestrator.core.events import CHECKPOINTS, Event
 from orchestrator.core.outage import Outage
+from orchestrator.core.procid import boot_id
+
+log = logging.getLogger(__name__)
 
 REMOUNT_EVERY_S = 60.0
 COLAB_MOUNTPOINT = "/content/drive"
@@ -46,12 +51,15 @@ class DurableMirror:
                  remount: Callable[[str], object] | None = None,
                  remount_every_s: float = REMOUNT_EVERY_S,
                  hold: Callable[[], bool] = lambda: True, outage: Outage | None = None,
-                 clock: Clock = SYSTEM):
+                 clock: Clock = SYSTEM, settling: Settling | None = None,
+                 max_bytes: int | None = None):
         """``hold()`` is asked before each pass: False means the run directory is not ours to
         write now (the lock's lease, core/lock.py); the pass waits for the next one.
         ``outage``: the run directory's one (core/outage.py), whose ``CHECKPOINTS`` part this
         mirror's failures and successes move (by default one of its own). ``clock`` times the
-        remounts and runs the backoff's waits."""
+        remounts and runs the backoff's waits. ``settling``: when a copy counts as in the cloud
+        and what retention may delete (checkpoint/settle.py; by default at fsync);
+        ``max_bytes``: the durable tier's space cap."""
         self.hold, self.clock = hold, clock
         self.store, self.journal, self.retention = store, journal, retention
         self.backoff_initial, self.backoff_max = backoff_initial, backoff_max
@@ -68,6 +76,9 @@ class DurableMirror:
         self._last_remount = float("-inf")
         self._journaled_backlog: tuple | None = None
         self._swept = False  # partial uploads of earlier sessions removed
+        self.settling = settling or Settling(Immediate(), journal, store.durable.root, clock)
+        self.max_bytes = max_bytes
+        self._capped: tuple | None = None  # the last durable_cap journaled
 
     # ---------------------------------------------------------------- control
     def start(self) -> "DurableMirror":
@@ -118,6 +129,7 @@ class DurableMirror:
             raise self.store.durable_error  # unreachable: keep what we knew, retry
         self._durable_ok = {c.step: c for c in listed
                             if self.store.durable.verify(c.path, cached=True) is None}
+        self.settling.seen(self._durable_ok, lambda: written_here(self.store.local.list()))
         for c in self.store.local.list():
             if c.step not in self._durable_ok:
                 unmark_durable(c)
@@ -143,14 +155,15 @@ class DurableMirror:
         if not verified:
             return []
         due = self.retention.select(list(verified.values())) | {max(verified)}
-        return [verified[s] for s in sorted(due, reverse=True) if s not in self._durable_ok]
+        return [verified[s] for s in sorted(due, reverse=True)
+                if s not in self._durable_ok and s not in self.settling.evicted]
 
     # ---------------------------------------------------------------- the loop
     def _loop(self) -> None:
         while not self._stop.is_set():
             with self._cond:
                 self._cond.wait_for(lambda: self._wanted > self._passes or self._stop.is_set(),
-                                    timeout=30.0)
+                                    timeout=self.settling.next_due_s(30.0))
                 if self._stop.is_set():
                     return
                 self._passes = max(self._passes, self._wanted)
@@ -168,6 +181,7 @@ class DurableMirror:
         """One pass: learn the durable tier, upload the backlog, apply retention. Every step
         that touches the durable tier is retried with backoff on an OSError: a mount that
         fails between two calls must never end the mirror."""
+        self.settling.tick()
         if not self.hold():
             return self.backlog()
         if not self._swept:
@@ -237,7 +251,8 @@ class DurableMirror:
             raise OSError(errno.EIO, f"the durable copy does not verify after the copy: {reason}",
                           d.path)
         self._durable_ok[c.step] = d
-        mark_durable(c, d.path, verified_at=round(self.clock.time(), 3))
+        mark_durable(c, d.path, verified_at=round(self.clock.time(), 3), boot=boot_id())
+        self.settling.wrote(c, d.path, copied["bytes_uploaded"])
         self.journal.append(Event.CHECKPOINT_DURABLE, step=c.step, epoch=c.epoch, path=d.path,
                             upload_s=round(self.clock.time() - t0, 3),
                             bytes_uploaded=copied["bytes_uploaded"],
@@ -292,11 +307,14 @@ class DurableMirror:
         due = self.retention.select(list(verified.values())) | {newest}
         removed: dict[str, list[int]] = {"durable": [], "local": []}
         if self.store.durable_error is None:
-            for step, c in sorted(self._durable_ok.items()):
-                if step not in due and step < newest:
-                    self.store.durable.remove(c)
-                    del self._durable_ok[step]
-                    removed["durable"].append(step)
+            plan = durable_to_retire(self._durable_ok, due, newest,
+                                     self.settling.settled_steps()
+                                     if self.settling.policy.writeback else None, self.max_bytes)
+            for step in plan.steps:
+                self.store.durable.remove(self._durable_ok.pop(step))
+                self.settling.forget(step)
+                removed["durable"].append(step)
+            self._journal_cap(plan)
         local = [c for c in self.store.local.list() if c.step in verified]
         recent = {c.step for c in local[-self.retention.keep:]}
         for c in local:
@@ -310,6 +328,20 @@ class DurableMirror:
                 # the blobs no kept checkpoint names (a commit in flight keeps its own)
                 getattr(self.store, tier).collect_blobs()
                 self.journal.append(Event.CHECKPOINTS_RETIRED, tier=tier, steps=steps)
+
+
+    def _journal_cap(self, plan) -> None:
+        """Say once when the space cap forced retention's hand (checkpoint/settle.py)."""
+        self.settling.evicted.update(plan.forced)
+        said = (tuple(plan.forced), plan.over_cap > 0)
+        if (plan.forced or plan.over_cap) and said != self._capped:
+            self._capped = said
+            self.journal.append(Event.DURABLE_CAP, max_bytes=self.max_bytes,
+                                removed=plan.forced, over_bytes=plan.over_cap)
+            log.warning(f"durable tier over its cap of {self.max_bytes} bytes: "
+                        + (f"removed steps {plan.forced} retention would have kept"
+                           if plan.forced else f"{plan.over_cap} bytes over, kept: the newest "
+                           f"settled and the newest written copy are never removed"))
 
 
 def _identity(c: Checkpoint) -> tuple:
@@ -334,3 +366,4 @@ def remount_hook(spec) -> Callable[[str], object] | None:
     if spec.job_dir not in sys.path:
         sys.path.insert(0, spec.job_dir)
     return getattr(importlib.import_module(module_name), func_name)
+

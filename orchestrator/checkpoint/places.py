@@ -15,6 +15,9 @@ a later Place) serve alike. The store (store.py) needs no more than this protoco
 - ``list(prefix)``: every key under a prefix, sorted, [] when there is none;
   ``children(prefix)``: the names directly under it (a folder's entries), sorted, [] when none;
   other errors (a lost mount) are raised, never taken for empty;
+- optional ``stat_key(key)`` ((size, mtime, inode), None when absent): lets a blob hashed once
+  be trusted while it is unchanged (blobset.py); without it, a blob is trusted by its size
+  once this process has hashed it;
 - ``delete(key)`` (absent is fine), ``delete_prefix(prefix)``,
   ``move_prefix(src, dst)`` (a folder's rename on a filesystem, atomic there; elsewhere a copy
   then a delete: the commit marker written after it is what commits a checkpoint).

@@ -69,6 +69,14 @@ class Checkpoint:
         return self.epoch >= epochs or bool(self.manifest.get("stopped_early"))
 
     @property
+    def nbytes(self) -> int:
+        """The state's bytes as its manifest states them: its files and every chunk of every
+        array, shared with other checkpoints or not (what a restore reads)."""
+        files = self.manifest.get("files") or {}
+        return (sum(int(m.get("size") or 0) for m in files.values() if isinstance(m, dict))
+                + sum(n for r in self.array_refs.values() for _, n in r.chunks))
+
+    @property
     def array_refs(self) -> dict[str, blobs.ArrayRef]:
         return {k: blobs.ArrayRef.from_json(v)
                 for k, v in (self.manifest.get("arrays") or {}).items()}
@@ -369,6 +377,21 @@ class CheckpointStore:
             self._verified[path] = stamp
         return None
 
+    def digest(self, path: str) -> str | None:
+        """What names the commit at ``path`` wherever a copy of it is: its commit marker (the
+        manifest's sha256; a copy to another tier is byte for byte). A rank tells the
+        supervisor of a commit with it, and the supervisor's copy must match it (ledger.py).
+        None: not committed (yet)."""
+        try:
+            if self._foreign(path):
+                with open(os.path.join(path, COMMIT_MARKER), "rb") as f:
+                    data = f.read()
+            else:
+                data = self.place.read_bytes(f"{os.path.basename(path)}/{COMMIT_MARKER}")
+        except OSError:
+            return None
+        return data.decode(errors="replace").strip() or None
+
     def read_arrays(self, path: str) -> dict[str, np.ndarray]:
         """The arrays of the checkpoint at ``path``, each read straight into its own array and
         hashed in the same pass (BlobError names the blob and key that does not match). A
@@ -386,17 +409,6 @@ class CheckpointStore:
                 return {k: z[k] for k in z.files}
         return {k: self.blobs.read(r, f"{path}: blob {{}} of {k}")
                 for k, r in Checkpoint(0, path, manifest).array_refs.items()}
-
-    def digest(self, path: str) -> str | None:
-        """What names the commit at ``path`` wherever a copy of it is: its commit marker (the
-        manifest's sha256; a copy to another tier is byte for byte). A rank tells the
-        supervisor of a commit with it, and the supervisor's copy must match it (ledger.py).
-        None: not committed (yet)."""
-        try:
-            with open(os.path.join(path, COMMIT_MARKER), "rb") as f:
-                return f.read().decode(errors="replace").strip() or None
-        except OSError:
-            return None
 
     def latest_valid(self, on_skip: Callable[[Checkpoint, str], None] | None = None
                      ) -> Checkpoint | None:

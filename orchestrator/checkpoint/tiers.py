@@ -14,6 +14,7 @@ import os
 import time
 from typing import Callable
 
+from orchestrator.checkpoint.objectstore import FsspecPlace, is_object_store
 from orchestrator.checkpoint.store import Checkpoint, CheckpointStore, Retention, as_retention
 from orchestrator.core.osutil import write_json_atomic
 from orchestrator.core.rundir import RunDir
@@ -40,10 +41,23 @@ def unmark_durable(local: Checkpoint) -> bool:
     return True
 
 
+def durable_store(root: str) -> CheckpointStore:
+    """The durable tier at ``root``: a folder, or a bucket (``gs://``, ``s3://``) whose writes
+    count once the server acknowledged our checksum (objectstore.py)."""
+    if is_object_store(root):
+        return CheckpointStore(root, place=FsspecPlace(root))
+    return CheckpointStore(root)
+
+
+def durable_root(spec) -> str:
+    """``checkpoint.durable`` (a bucket) or else the run directory's ``checkpoints/``."""
+    return spec.checkpoint.durable or RunDir(spec.run_dir).checkpoints
+
+
 class TieredStore:
     def __init__(self, local_root: str, durable_root: str):
         self.local = CheckpointStore(local_root, may_delete=is_durable)
-        self.durable = CheckpointStore(durable_root)
+        self.durable = durable_store(durable_root)
         self.durable_error: OSError | None = None  # why the last durable listing failed
 
     @property
@@ -94,23 +108,24 @@ class TieredStore:
     def verify(self, path: str) -> str | None:
         return self.local.verify(path)
 
+    def digest(self, path: str) -> str | None:
+        return self.local.digest(path)
+
     def read_arrays(self, c: Checkpoint):
         """The arrays of ``c``, from the tier that holds it."""
         return (c.tier or self.local).read_arrays(c.path)
 
-    def digest(self, path: str) -> str | None:
-        return self.local.digest(path)
-
     def latest_valid(self, on_skip: Callable[[Checkpoint, str], None] | None = None,
-                     step: int | None = None) -> Checkpoint | None:
+                     step: int | None = None, cached: bool = False) -> Checkpoint | None:
         """The newest checkpoint with a copy that verifies in either tier (only ``step``'s,
         when given); ``on_skip`` hears of each copy passed over (corrupt, partial,
-        unreadable)."""
+        unreadable). ``cached``: trust this store's earlier verification of a copy whose
+        files are unchanged (``CheckpointStore.verify``); a restore never passes it."""
         for s, cs in sorted(self.copies().items(), reverse=True):
             if step is not None and s != step:
                 continue
             for c in cs:
-                reason = (c.tier or self.local).verify(c.path)
+                reason = (c.tier or self.local).verify(c.path, cached=cached)
                 if reason is None:
                     return c
                 if on_skip:
@@ -138,4 +153,4 @@ def set_aside_local(store: TieredStore) -> tuple[str, int] | None:
 
 
 def for_spec(spec) -> TieredStore:
-    return TieredStore(spec.checkpoint.local_dir, RunDir(spec.run_dir).checkpoints)
+    return TieredStore(spec.checkpoint.local_dir, durable_root(spec))

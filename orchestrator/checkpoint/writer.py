@@ -1,8 +1,8 @@
 """Checkpoint writes off the training thread: one background thread, at most one write in flight.
 
 The training thread takes a host copy of the state (train/state.py) in a few milliseconds and
-hands the rest (fingerprints, the ``.npz``, fsync, rename, commit marker, retention: the store's
-atomic commit) to ``CheckpointWriter``. The store's protocol is unchanged, so a kill at any
+hands the rest (hashes, fingerprints, blobs, fsync, rename, commit marker, retention: the
+store's atomic commit) to ``CheckpointWriter``. The store's protocol is unchanged, so a kill at any
 moment still leaves the previous checkpoint intact: the write in flight never got its marker.
 
 When a checkpoint falls due while the previous one is still being written (writes slower than

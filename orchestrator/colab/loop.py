@@ -8,7 +8,11 @@ runtime is lost get another; at the end free it and bring the export home.
             locked: the previous runtime's supervisor may still hold the run directory
                     (core/lock.py): start again after a while - never two trainers
             lost, unreachable for too long, supervisor gone: end this session, free it
-            completed: bring the export home, free the runtime, done
+            completed: bring the export home, flush Drive, free the runtime, done
+
+Before a runtime that still answers is stopped, Drive's write-back cache is flushed from inside
+it (checkpoint/settle.py: a copy read back through the mount may not be in the cloud yet), with
+a bounded wait, and what is still not settled is journaled (``drive_flushed``) and said.
 
 Every runtime is one session of the outer journal (core/hosts.py), kept in ``local_dir`` and
 copied into the run directory on Drive whenever a runtime can write it. The decisions
@@ -27,12 +31,13 @@ from orchestrator.colab import bundle, remote, replies
 from orchestrator.colab.colabcli import ColabCLI
 from orchestrator.colab.kinds import RuntimeKind
 from orchestrator.colab.policy import (BAD_JOB, COMPLETED, FAILED, LOCKED, LOST, RUNNING,
-                                       UNREACHABLE, Backoff, Budgets, OuterPolicy,
-                                       Reachability, judge)
+                                       STOPPED, SUPERVISOR_DIED, UNREACHABLE, Backoff, Budgets,
+                                       OuterPolicy, Reachability, judge)
 from orchestrator.core import hosts, logs
 from orchestrator.core.clock import SYSTEM, Clock
 from orchestrator.core.events import Event
 from orchestrator.core.journal import Journal
+from orchestrator.core.kinds import Kind
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +47,7 @@ EXIT_BUDGET = 6      # a budget is spent; running the command again goes on
 EXIT_INTERRUPTED = 130
 
 SETUP_FAILED = "setup_failed"
+ACCELERATOR_BROKEN = "accelerator_broken"  # the run failed of accelerator_context there
 
 
 @dataclass
@@ -59,6 +65,7 @@ class Plan:
     lock_retry_s: float = 30.0     # between two starts refused by a live lock
     unreachable_s: float = 300.0   # no readable answer this long: the runtime counts as lost
     remote_env: dict = field(default_factory=dict)  # added to the run's environment there
+    flush_timeout_s: float = 300.0  # the most a stop waits for Drive's cache to reach the cloud
 
     @property
     def session_prefix(self) -> str:
@@ -132,6 +139,8 @@ class ColabLoop:
                                     lasted_s=round(held, 3), step=self.last.get("step"))
                 if why == COMPLETED:
                     return self._complete(session)
+                if why in (FAILED, BAD_JOB, SUPERVISOR_DIED, STOPPED):
+                    self._flush_drive(session)  # it answers: what it wrote must not be lost
                 self.cli.stop(session)  # free it (a lost one: the CLI forgets it)
                 if code is not None:
                     return code
@@ -190,13 +199,15 @@ class ColabLoop:
         p = self.plan
         args = [os.path.basename(p.job), "--run-dir", p.run_dir]
         while True:
+            # before the start: its supervisor reads the earlier runtimes' last steps there
+            # (checkpoint/lost.py)
+            self._publish(session)
             started = self._exec(session, remote.start(args, p.remote_env), 120)
             if started is None:
                 return self._setup_failed(session, "could not start the run there")
             self.policy.errors_in_row = 0
             self.journal.append(Event.REMOTE_RUN_STARTED, session=session,
                                 pid=started.get("pid"))
-            self._publish(session)
             log.info(f"`orchestrator run` started on {session} (pid {started.get('pid')})")
             state, found = self._follow(session)
             if state == LOCKED:
@@ -239,6 +250,12 @@ class ColabLoop:
         s = found.get("status") or {}
         if state == COMPLETED:
             return COMPLETED, None
+        if state == FAILED and (s.get("failure") or {}).get("kind") == Kind.ACCELERATOR_CONTEXT:
+            # the runtime's accelerator stayed broken through a fresh process and a fresh TPU
+            # system there: another runtime is the next remedy (the run resumes from Drive)
+            log.info(f"runtime {self.session}: its accelerator stayed broken "
+                     f"({s.get('last_error') or 'accelerator_context'}); asking for another")
+            return ACCELERATOR_BROKEN, None
         if state == FAILED:
             why = s.get("last_error") or f"see `orchestrator status {self.plan.run_dir}`"
             return FAILED, self._end("failed", f"the run failed: {why}", 1)
@@ -280,6 +297,7 @@ class ColabLoop:
                             line=f"completed in {self.policy.sessions} runtime(s)")
         self._publish(session)
         export = self._fetch_export(session)
+        self._flush_drive(session)
         self.cli.stop(session)
         s = self.last
         log.info(f"completed: epoch {s.get('epoch')}/{s.get('epochs')} in "
@@ -287,6 +305,24 @@ class ColabLoop:
                  + (f"export in {export}" if export else "no export to bring home")
                  + f"; the outer journal is {self.journal.path}")
         return 0
+
+    def _flush_drive(self, session: str) -> dict | None:
+        """Push Drive's write-back cache to the cloud from inside the runtime before it is
+        stopped (bounded); journal and say what is still not settled."""
+        t = self.plan.flush_timeout_s
+        found = self._exec(session, remote.flush_drive(self.plan.run_dir, t), t + 120)
+        if found is None:
+            found = {"ok": False, "error": "the flush did not run to its end there",
+                     "not_settled": ["checkpoint", "export", "journal"]}
+        self.journal.append(Event.DRIVE_FLUSHED, session=session, **found)
+        if found.get("ok"):
+            log.info(f"Drive flushed on {session} in {found.get('seconds')} s: "
+                     f"{', '.join(found.get('settled') or []) or 'nothing'} in the cloud")
+        elif found.get("not_settled"):
+            log.info(f"WARNING: Drive could not be flushed on {session} "
+                     f"({found.get('error')}): {', '.join(found['not_settled'])} may not have "
+                     f"reached the cloud; stopping the runtime loses what did not")
+        return found
 
     def _fetch_export(self, session: str) -> str | None:
         packed = self._exec(session, remote.pack_export(self.plan.run_dir), 600)

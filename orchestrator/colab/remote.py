@@ -144,7 +144,7 @@ mark(**found)
 """
 
 STATUS_KEYS = ("state", "epoch", "epochs", "step", "attempt", "restarts", "goodput",
-               "last_error", "weights_sha256")
+               "last_error", "failure", "weights_sha256")
 
 
 def probe(run_dir: str, timeout: float = 60.0) -> str:
@@ -183,3 +183,80 @@ else:
 def pack_export(run_dir: str) -> str:
     """Put the run's export folder in one file (``colab download`` takes files only)."""
     return _snippet(PACK, export=f"{run_dir}/export", bundle=EXPORT_BUNDLE)
+
+
+FLUSH = """
+import threading
+def newest_checkpoint(root):
+    try:
+        names = sorted(n for n in os.listdir(root) if n.isdigit() and len(n) == 10)
+    except OSError:
+        return None
+    return os.path.join(root, names[-1]) if names else None
+def facts(p):
+    # (bytes, the newest write) of a file or a folder's files
+    size, last = 0, 0.0
+    walk = os.walk(p) if os.path.isdir(p) else [(os.path.dirname(p), [], [os.path.basename(p)])]
+    for d, _, files in walk:
+        for n in files:
+            try:
+                st = os.stat(os.path.join(d, n))
+            except OSError:
+                continue
+            size, last = size + st.st_size, max(last, st.st_mtime)
+    return size, last
+targets = {"checkpoint": newest_checkpoint(P["checkpoints"]), "export": P["export"],
+           "journal": P["journal"] if os.path.exists(P["journal"]) else P["journal_live"]}
+targets = {k: v for k, v in targets.items() if v and os.path.exists(v)}
+before = {k: facts(v) for k, v in targets.items()}
+done = {}
+def flush():
+    try:
+        from google.colab import drive
+        drive.flush_and_unmount()
+        done["ok"] = True
+    except BaseException as exc:
+        done["error"] = "%s: %s" % (type(exc).__name__, exc)
+t0 = time.time()
+worker = threading.Thread(target=flush, daemon=True)
+worker.start()
+worker.join(P["timeout"])
+seconds = round(time.time() - t0, 3)
+if done.get("ok"):
+    mark(ok=True, seconds=seconds, settled=sorted(targets), not_settled=[], how="flush",
+         bytes=sum(b for b, _ in before.values()))
+else:
+    # no flush: settled only where the estimate says so (margin x (quiet + bytes / rate))
+    now, settled, not_settled = time.time(), [], []
+    for k, (size, last) in sorted(before.items()):
+        wait = P["margin"] * (P["quiet_s"] + size / P["bytes_per_s"])
+        (settled if now - last >= wait else not_settled).append(k)
+    mark(ok=False, seconds=seconds, settled=settled, not_settled=not_settled, how="estimate",
+         error=done.get("error") or "no answer in %s s" % P["timeout"])
+"""
+
+
+def flush_drive(run_dir: str, timeout: float = 300.0, quiet_s: float = 15.0,
+                bytes_per_s: float = 10e6, margin: float = 2.0) -> str:
+    """Before a runtime is stopped: push Drive's write-back cache to the cloud
+    (``google.colab.drive.flush_and_unmount``, bounded by ``timeout``) and say which of the
+    run's final checkpoint, export and journal are settled (checkpoint/settle.py); without a
+    flush, those the estimate from their size and last write allows."""
+    return _snippet(FLUSH, checkpoints=f"{run_dir}/checkpoints", export=f"{run_dir}/export",
+                    journal=f"{run_dir}/events", journal_live=f"{run_dir}/events.jsonl",
+                    timeout=timeout, quiet_s=quiet_s, bytes_per_s=bytes_per_s, margin=margin)
+
+
+def run_here(code: str) -> dict | None:
+    """Run a snippet in this process (the notebook's kernel on Colab: the same code the outer
+    loop runs there); what it marked, or None when it marked nothing."""
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(code, "<orchestrator.colab.remote>", "exec"), {})  # noqa: S102 - our code
+    for line in reversed(out.getvalue().splitlines()):
+        if line.startswith(MARK):
+            return json.loads(line[len(MARK):])
+    return None

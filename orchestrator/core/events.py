@@ -126,6 +126,20 @@ class Event:
     CHECKPOINT_WAITED = "checkpoint_waited"
     #: a checkpoint was copied to the durable tier and read back
     CHECKPOINT_DURABLE = "checkpoint_durable"
+    #: a durable copy reached the cloud (checkpoint/settle.py): ``steps``, ``how`` (mount: a
+    #: new runtime's mount shows it; flush: a flush said so; estimate: its size over the
+    #: upload rate, with a margin, has passed since it was written), and the figures
+    CHECKPOINT_SETTLED = "checkpoint_settled"
+    #: the durable tier's space cap (``checkpoint.durable_max_bytes``) forced retention's hand:
+    #: ``removed`` steps it would have kept, or ``over_bytes`` it cannot honour without leaving
+    #: the tier without a settled checkpoint
+    DURABLE_CAP = "durable_cap"
+    #: a new runtime found the durable tier behind the progress journaled before it: ``steps``
+    #: [N, M] never reached Drive, ``lost_s`` the training time they cost (goodput charges it)
+    DURABLE_LOST = "durable_lost"
+    #: the end of a run or a planned stop flushed Drive (``ok``, ``seconds``) and checked what
+    #: is settled (``settled``, ``not_settled``: the final checkpoint, the export, the journal)
+    DRIVE_FLUSHED = "drive_flushed"
     #: retention removed checkpoints
     CHECKPOINTS_RETIRED = "checkpoints_retired"
     #: the durable tier failed

@@ -98,6 +98,14 @@ class UploadBackoff(Section):
     max: Number(0) = Field(60.0, description="the longest wait between retries")
 
 
+class Writeback(Section):
+    quiet_s: Number(0) = Field(15.0, description=(
+        "seconds a write-back cache leaves a file alone before it uploads it"))
+    bytes_per_s: Number(1) = Field(10e6, description=(
+        "the cache's upload rate until a flush on the runtime measured one"))
+    margin: Number(1) = Field(2.0, description="the estimate of when a copy settled, times this")
+
+
 def _remount(v) -> bool:
     return isinstance(v, str) and (v == "colab" or bool(FACTORY_RE.match(v)))
 
@@ -131,10 +139,14 @@ class Checkpoint(Section):
     background: Boolean = Field(True, description=(
         "write checkpoints off the training thread; false: in line"))
     durable: Optional[Annotated[str, _checked(
-        _durable_url, "expected a URL gs://BUCKET/PATH or s3://BUCKET/PATH")]] = Field(
-            None, description="an object store the durable copies also go to (gs:// or s3://)")
+        _durable_url, "expected gs://bucket/prefix or s3://bucket/prefix")]] = Field(
+            None, description="a bucket (gs:// or s3://) as the durable tier, in place of the run directory's checkpoints/")
     durable_cache: Choice(DURABLE_CACHES) = Field("auto", description=(
         "how the durable tier caches its copies: auto | writeback | none"))
+    durable_max_bytes: Integer(1, optional=True) = Field(None, description=(
+        "the durable tier's space cap; none: no cap"))
+    writeback: Writeback = Field(Writeback(), description=(
+        "when a copy on a write-back cache counts as in the cloud (checkpoint/settle.py)"))
 
 
 class RestartBackoff(Section):

@@ -11,6 +11,7 @@ operator's commands, which read a run from anywhere) reads everything from ``roo
 from __future__ import annotations
 
 import os
+import uuid
 from dataclasses import dataclass
 
 # The worker's exit code for "this will fail the same way again" (configuration, job code,
@@ -131,6 +132,28 @@ class RunDir:
         folder: a worker starting while the run directory is down must not fail here."""
         os.makedirs(self.attempts, exist_ok=True)
         return self
+
+
+# An export is written into a folder beside its place and renamed into it (train/export.py), the
+# export it replaces renamed aside and removed: a process killed half-way leaves one of them.
+EXPORT_STAGING, EXPORT_TRASH = ".tmp-", ".trash-"
+
+
+def export_staging(final: str) -> str:
+    """Where a process writes the export bound for ``final`` before renaming it into place."""
+    return f"{final}{EXPORT_STAGING}{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+def export_trash(final: str) -> str:
+    """Where the export ``final`` is renamed to while it is removed."""
+    return f"{final}{EXPORT_TRASH}{uuid.uuid4().hex[:6]}"
+
+
+def export_leftovers(final: str) -> list[str]:
+    """The staging and trash folders of ``final`` that are there (a killed export's)."""
+    folder, name = os.path.split(os.path.abspath(final))
+    return sorted(os.path.join(folder, n) for n in os.listdir(folder)
+                  if n.startswith((name + EXPORT_STAGING, name + EXPORT_TRASH)))
 
 
 def rank_dir(control: str, rank: int) -> str:

@@ -19,6 +19,9 @@ from orchestrator.core.jobfile import (  # noqa: F401 (the vocabularies, read fr
     STANDBY_MODES, STRATEGIES, default)
 from orchestrator.core.retention import Retention
 
+# checkpoint.durable as a bucket: URL scheme -> (the fsspec library, the extra installing it)
+OBJECT_STORES = {"gs": ("gcsfs", "gcs"), "s3": ("s3fs", "s3")}
+
 
 class SpecError(Exception):
     """A job file that cannot be used; the message is meant for the user as it is."""
@@ -78,11 +81,29 @@ class CheckpointSpec:
     upload_backoff_max: float = default("checkpoint.upload_backoff.max")
     background: bool = default("checkpoint.background")
     durable: str | None = default("checkpoint.durable")
-    durable_cache: str = default("checkpoint.durable_cache")
+    durable_cache: str = default("checkpoint.durable_cache")   # checkpoint/settle.py
+    durable_max_bytes: int | None = default("checkpoint.durable_max_bytes")
+    writeback_quiet_s: float = default("checkpoint.writeback.quiet_s")
+    writeback_bytes_per_s: float = default("checkpoint.writeback.bytes_per_s")
+    writeback_margin: float = default("checkpoint.writeback.margin")
 
     @property
     def retention(self) -> Retention:
         return Retention(self.keep, self.keep_every_epochs, self.keep_best, self.keep_best_mode)
+
+
+def object_store_problem(url: str) -> str | None:
+    """What is wrong with ``url`` as a bucket tier (an unknown scheme, its library missing),
+    or None."""
+    import importlib.util
+
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme not in OBJECT_STORES or not rest.strip("/"):
+        return f"expected gs://bucket/prefix or s3://bucket/prefix, got {url!r}"
+    library, extra = OBJECT_STORES[scheme]
+    if importlib.util.find_spec(library) is None:
+        return f"{url!r} needs {library}: pip install 'orchestrator[{extra}]'"
+    return None
 
 
 @dataclass(frozen=True)

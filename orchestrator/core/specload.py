@@ -20,7 +20,8 @@ from orchestrator.core.jobfile import CELL_MODULE, SCHEDULE_TAGS, JobFile
 from orchestrator.core.rundir import TENSORBOARD_DIR, default_local_dir
 from orchestrator.core.spec import (CallbackSpec, CheckpointSpec, CodeSpec, CompileSpec,
                                     CrashLoopSpec, Factory, JobSpec, LearningRateSpec,
-                                    RecoverySpec, RestartSpec, Rung, SpecError, TensorBoardSpec)
+                                    RecoverySpec, RestartSpec, Rung, SpecError, TensorBoardSpec,
+                                    object_store_problem)
 
 # --------------------------------------------------------------------------------------------
 # YAML with line numbers
@@ -231,8 +232,11 @@ def _checkpoint(job: JobFile, run_dir: str, path: str, lines: dict) -> Checkpoin
         key = "checkpoint.local_dir"
         raise SpecError(path, _line(lines, key), key, "expected a local folder other than the run "
                         "directory's checkpoints/ (that is the durable tier)")
+    if c.durable and (problem := object_store_problem(c.durable)):
+        key = "checkpoint.durable"  # the URL's form is the schema's; its library is checked here
+        raise SpecError(path, _line(lines, key), key, problem)
     best = c.keep_best
     return CheckpointSpec(**dict(
-        _flat(c, ("upload_backoff",)), local_dir=local,
+        _flat(c, ("upload_backoff", "writeback")), local_dir=local,
         keep_best=best.metric if best else None,
         keep_best_mode=best.mode if best else CheckpointSpec.keep_best_mode))

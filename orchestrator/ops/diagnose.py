@@ -26,6 +26,7 @@ def diagnose(text: str, spec: JobSpec | None = None, layers=failures.LAYERS) -> 
     return {
         "kind": kind,
         "action": policy.first_action(kind),
+        "plan": plan(kind, policy, recovery),
         "signature": sig.id if sig else None,
         "evidence": f.evidence if f else None,
         "source": sig.source if sig else None,
@@ -34,6 +35,40 @@ def diagnose(text: str, spec: JobSpec | None = None, layers=failures.LAYERS) -> 
         "conflict": verdict.conflict,
         "candidates": _distinct(verdict.candidates),
     }
+
+
+# What each action does to the runtime, in the words a user reads in ``diagnose``.
+DOES = {
+    Action.RESTART: "a fresh worker process: the failed one's exit releases the accelerator "
+                    "(libtpu's hold on the TPU, the CUDA context)",
+    Action.REINIT_ACCELERATOR: "re-initialise the accelerator: TensorFlow shuts the TPU system "
+                               "down and initialises it again; on JAX a fresh process with "
+                               "libtpu's stale lock file cleared",
+    Action.REINSTALL_TENSORFLOW: "reinstall the framework (tensorflow, or jax/jaxlib/libtpu)",
+    Action.FALLBACK_STRATEGY: "fall back to the next strategy (tpu -> gpu -> cpu)",
+    Action.WAIT_ACCELERATOR: "wait for the accelerator, probing it with backoff, and retry",
+    Action.HALVE_BATCH: "halve the per-replica batch",
+    Action.GIVE_UP: "stop: the run fails with the evidence",
+}
+# After the ladder: what the outer loop does (colab/loop.py) when the run failed of this kind.
+OUTER = {Kind.ACCELERATOR_CONTEXT: "under `orchestrator colab`: a new runtime, where the run "
+                                   "resumes from its last checkpoint on Drive"}
+
+
+def plan(kind: str, policy: RecoveryPolicy, recovery: RecoverySpec) -> list[str]:
+    """The kind's ladder in the order the supervisor climbs it, each rung with what it does
+    (or why it is skipped), then what happens once the ladder is spent."""
+    steps = []
+    for rung in policy.ladder(kind):
+        why_not = _static_applicable(recovery, rung.action)
+        times = "" if rung.times == 1 else (" (as long as the budget lasts)" if rung.times is None
+                                            else f" (up to {rung.times} times)")
+        steps.append(f"{rung.action}: " + (f"skipped, {why_not}" if why_not
+                                           else DOES[rung.action] + times))
+    steps.append(f"{Action.GIVE_UP}: {DOES[Action.GIVE_UP]}")
+    if kind in OUTER:
+        steps.append(OUTER[kind])
+    return steps
 
 
 def _distinct(candidates) -> list[dict]:

@@ -13,8 +13,9 @@ from orchestrator.core import heartbeat, hosts
 
 from orchestrator.ops import timeline
 from orchestrator.core.formatting import fmt_duration, fmt_metrics
+from orchestrator.checkpoint import settle, tiers
 from orchestrator.checkpoint.store import CheckpointStore
-from orchestrator.core.journal import Journal
+from orchestrator.core.journal import Journal, segment_paths
 from orchestrator.core.lock import FILE as LOCK_FILE, RunLock
 from orchestrator.core.osutil import read_json
 from orchestrator.core.rundir import RunDir, rank_dir
@@ -26,7 +27,7 @@ from orchestrator.core.events import CHECKPOINTS, OUTAGE_EVENTS, RUN_DIR, Event
 def load_run(run_dir: str):
     """``(RunDir, events, running)`` of a run directory; FileNotFoundError if it is none."""
     rd = RunDir(os.path.abspath(run_dir))
-    if not os.path.isfile(rd.journal):
+    if not os.path.isfile(rd.journal) and not segment_paths(rd.journal):
         raise FileNotFoundError(f"{run_dir}: not a run directory (no events.jsonl)")
     lock = read_json(os.path.join(rd.root, LOCK_FILE))
     # a live owner, or one on another host not yet silent for long (a recycled VM's is)
@@ -49,7 +50,7 @@ def run_status(run_dir: str, now: float | None = None) -> dict:
     tl = timeline.build(events, running=running, now=now)
     outer = Journal(os.path.join(rd.root, hosts.FILE)).events()  # `orchestrator colab`'s
     acct = timeline.account(tl, hosts.span(outer, now))
-    durable_latest, durable_error, local_latest = _latest_checkpoints(rd)
+    durable_latest, durable_error, local_latest, writeback = _latest_checkpoints(rd)
     latest = max((c for c in (local_latest, durable_latest) if c), key=lambda c: c.step,
                  default=None)
     durable_down = (outages(events, now, CHECKPOINTS) or [{}])[-1]
@@ -84,6 +85,8 @@ def run_status(run_dir: str, now: float | None = None) -> dict:
         "runtimes": [h.record(now) for h in hosts.hosts(outer)],
         "last_checkpoint": _checkpoint(latest),
         "checkpoints_by_tier": _tiers(events, durable_latest, local_latest),
+        "durable_settled": settle.standing(events, writeback,
+                                           durable_latest.step if durable_latest else None),
         "durable_unreachable_since": (durable_down["since"] if running and
                                       durable_down.get("ongoing") else None),
         "durable_error": durable_error,
@@ -109,18 +112,25 @@ def _last(events: list[dict], *kinds: str) -> dict | None:
 
 def _latest_checkpoints(rd) -> tuple:
     """The latest valid checkpoint of the durable tier (or why it cannot be read), and of the
-    local tier, known from the run's job copy (and existing on its machine only)."""
-    durable = CheckpointStore(rd.checkpoints)  # the run directory's: the durable tier
-    try:
-        durable_latest, durable_error = durable.latest_valid(), None
-    except OSError as exc:
-        durable_latest, durable_error = None, str(exc)
-    try:
-        local = CheckpointStore(load(rd.job_copy, run_dir=rd.root).checkpoint.local_dir)
-        local_latest = local.latest_valid()
+    local tier, known from the run's job copy (and existing on its machine only); and whether
+    the durable tier is a write-back cache (checkpoint/settle.py)."""
+    try:  # both tiers are known from the run's job copy (the local one is on its machine only)
+        ck = load(rd.job_copy, run_dir=rd.root).checkpoint
     except (SpecError, OSError):
+        ck = None
+    try:  # the run directory's checkpoints/, or the job's bucket
+        durable_latest, durable_error = tiers.durable_store(
+            ck.durable or rd.checkpoints if ck else rd.checkpoints).latest_valid(), None
+    except (OSError, ValueError) as exc:
+        durable_latest, durable_error = None, str(exc)
+    if ck is None:
+        return durable_latest, durable_error, None, False  # no job copy: nothing more known
+    try:
+        local_latest = CheckpointStore(ck.local_dir).latest_valid()
+    except OSError:
         local_latest = None
-    return durable_latest, durable_error, local_latest
+    return durable_latest, durable_error, local_latest, settle.policy_for(
+        ck, rd.checkpoints).writeback
 
 
 def _live(hb: dict | None, current) -> dict | None:
@@ -231,6 +241,15 @@ def format_outage(o: dict) -> str:
     return text
 
 
+def format_settled(d: dict) -> str:
+    """The newest durable copy: only written (in the cache) or settled (in the cloud)."""
+    if d["settled"]:
+        return f"step {d['step']} settled ({d['how']})"
+    older = (f"; newest settled: step {d['newest_settled']}" if d.get("newest_settled")
+             is not None else "; no settled copy yet")
+    return f"step {d['step']} written, not settled yet{older}"
+
+
 def _count(items) -> dict[str, int]:
     out: dict[str, int] = {}
     for k in items:
@@ -309,6 +328,9 @@ def format_status(s: dict, now: float | None = None) -> str:
             continue
         age = f", {fmt_duration(now - c['committed_at'])} ago" if c.get("committed_at") else ""
         lines.append(f"  last checkpoint ({tier}): epoch {c['epoch']}, step {c['step']}{age}")
+    d = s.get("durable_settled") or {}
+    if d.get("policy") == settle.WriteBack.kind and d.get("step") is not None:
+        lines.append(f"  durable copy (write-back cache): {format_settled(d)}")
     if s.get("durable_unreachable_since"):
         lines.append(f"  durable tier unreachable for "
                      f"{fmt_duration(now - s['durable_unreachable_since'])}; training goes on")

@@ -22,12 +22,16 @@ starting up), a fault kind (progress lost after the last checkpoint of the faile
 wait before the next attempt and that attempt's start-up), ``stopped`` (progress lost when the
 supervisor was stopped), ``overhead`` (the supervisor's own bits, the final checkpoint's exit)
 or ``in_progress`` (the running attempt's training since its last checkpoint: not lost yet).
+Training a recycled runtime's write-back cache took with it (``durable_lost``,
+checkpoint/lost.py) is moved from ``useful`` (else from ``between_runtimes``, where a journal
+that never reached the cloud leaves it) to ``durable_lost``.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
 
+from orchestrator.checkpoint.lost import lost_s
 from orchestrator.recovery.failures import kind_of
 from orchestrator.core.events import Event
 from orchestrator.core.kinds import Kind
@@ -266,6 +270,7 @@ def segments(tl: Timeline) -> list[tuple[str, float, float]]:
 
 
 BETWEEN_RUNTIMES = "between_runtimes"
+DURABLE_LOST = Event.DURABLE_LOST  # a cause of lost time, named as its event
 
 
 def account(tl: Timeline, span: tuple[float, float] | None = None) -> dict:
@@ -283,6 +288,13 @@ def account(tl: Timeline, span: tuple[float, float] | None = None) -> dict:
         between = max(0.0, span[1] - span[0] - inside)
         by[BETWEEN_RUNTIMES] = between
         wall, away = wall + between, 0.0
+    lost = min(lost_s(tl.events), by.get("useful", 0.0) + by.get(BETWEEN_RUNTIMES, 0.0))
+    if lost > 0:
+        from_useful = min(lost, by.get("useful", 0.0))
+        by["useful"] = by.get("useful", 0.0) - from_useful
+        if lost > from_useful:
+            by[BETWEEN_RUNTIMES] -= lost - from_useful
+        by[DURABLE_LOST] = lost
     lost = {k: v for k, v in by.items() if k not in NOT_LOST}
     faults_lost = sum(v for k, v in lost.items() if k not in NOT_FAULTS)
     return {

@@ -35,9 +35,8 @@ import os
 import queue
 import signal
 import subprocess
-import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Protocol
 
 from orchestrator.core import heartbeat
 from orchestrator.core.events import Event
@@ -46,11 +45,10 @@ from orchestrator.core.rundir import RunDir, rank_dir
 from orchestrator.core.spec import JobSpec
 from orchestrator.recovery import oom
 from orchestrator.recovery.failures import signal_name
-from orchestrator.supervise.group import (STACK_DUMP_WAIT_S, EngineUnavailable, LocalEngine,
+from orchestrator.supervise.group import (STACK_DUMP_WAIT_S, Engine, EngineUnavailable,
                                          Member, first_failed)
 from orchestrator.supervise.hangs import dump_stacks
 from orchestrator.supervise.messages import Beat, Committed, Exited, Stop, Tick
-from orchestrator.supervise.procs import identity_record
 
 log = logging.getLogger(__name__)
 
@@ -90,26 +88,44 @@ class Every:
     run: Callable[[], None]
     due: float = 0.0
 
-    def arm(self) -> None:
-        self.due = time.monotonic() + self.period
+    def arm(self, now: float) -> None:
+        self.due = now + self.period
 
     def maybe(self, now: float) -> None:
         if now >= self.due:
             self.run()
-            self.due = time.monotonic() + self.period
+            self.due = now + self.period
+
+
+class AttemptListener(Protocol):
+    """Who hears an attempt's life besides the supervisor (the standby keeper, standby.py):
+    told, never asked, so that the attempt's wait holds no one else's rules."""
+
+    def promote(self, n: int, env: dict):
+        """(a process that may be attempt ``n``, how it started) or (None, why it is cold)."""
+
+    def on_training(self, n: int) -> None:
+        """Attempt ``n`` made its first training step (its start-up is over)."""
+
+    def on_commit(self, n: int) -> None:
+        """A checkpoint was committed while attempt ``n`` trains."""
+
+    def on_exit(self, key, code: int, n: int) -> None:
+        """A process on the queue that is none of attempt ``n``'s members exited."""
 
 
 class Attempt:
     def __init__(self, n: int, cmd: list[str], env: dict, *, spec: JobSpec, rd: RunDir, slot,
-                 journal, standby, engine=None):
+                 journal, standby: AttemptListener, engine: Engine, group: bool = False):
         """Attempt ``n`` of ``spec``'s run: ``cmd`` in ``env`` for each worker. ``slot``: the
-        worker slot (its queue, its hang clock); ``engine``: who places a group (None: one
-        worker, spawned here); ``standby``: the standby keeper, whose process may be it."""
+        worker slot (its queue, its hang clock, its clock); ``engine``: who runs the workers;
+        ``group``: several ranks placed by it (else one worker, not placed); ``standby``: the
+        listener told of the attempt's life, whose process may be it."""
         self.n, self.cmd, self.env, self.rd = n, cmd, env, rd
         self.cwd, self.stop_grace = spec.job_dir, spec.stop_grace
         self.events, self.hang, self.journal = slot.events, slot.hang, journal
-        self.group = engine is not None
-        self.engine = engine if self.group else LocalEngine()
+        self.clock = slot.clock
+        self.group, self.engine = group, engine
         self.size = spec.workers if self.group else 1
         self.standby = standby
         self.log, self.error_record = rd.attempt_log(n), rd.error_record(n)
@@ -119,18 +135,18 @@ class Attempt:
         self.t0 = 0.0
         self._cgroups: list = []
         self._oom_before: dict = {}
+        self._training = False  # a training step done: the listener was told
 
     # ------------------------------------------------------------------ start
     def start(self, from_epoch: int) -> None:
         """Its workers running: the standby's process when it may be this attempt, else new
         ones (a group's placed by its engine). ``attempt_started`` says which (``path``: the
         promoted standby's mode, or ``cold`` and why)."""
-        self.t0 = time.time()
+        self.t0 = self.clock.time()
         promoted, path = self.standby.promote(self.n, self.env)
-        if promoted is not None:
-            self.members = [Member(0, os.uname().nodename, self.log, self.error_record,
-                                   pid=promoted.pid, handle=promoted,
-                                   identity=identity_record(promoted))]
+        if promoted is not None:  # its exit is on the queue already, keyed by it
+            promoted.log, promoted.error_record = self.log, self.error_record
+            self.members = [promoted]
         elif self.group:
             places = self._place()
             cluster = {"worker": [addr for _, addr in places]}
@@ -153,15 +169,15 @@ class Attempt:
         where = dict(attempt=self.n, engine=self.engine.name, workers=self.size)
         self.journal.append(Event.GROUP_PLACING, **where,
                             timeout_s=self.engine.placement_timeout())
-        t0 = time.monotonic()
+        t0 = self.clock.monotonic()
         try:
             places = self.engine.open(self.size)
         except EngineUnavailable as exc:
             self.journal.append(Event.GROUP_PLACED, **where, placed=False,
-                                wait_s=round(time.monotonic() - t0, 3), reason=str(exc))
+                                wait_s=round(self.clock.monotonic() - t0, 3), reason=str(exc))
             raise
         self.journal.append(Event.GROUP_PLACED, **where, placed=True,
-                            wait_s=round(time.monotonic() - t0, 3),
+                            wait_s=round(self.clock.monotonic() - t0, 3),
                             hosts=[host for host, _ in places],
                             addresses=[address for _, address in places])
         return places
@@ -169,7 +185,7 @@ class Attempt:
     def _running(self, from_epoch: int, path: dict | None) -> None:
         chief = self.members[0]
         self.proc = chief.handle if isinstance(chief.handle, subprocess.Popen) else None
-        if not self.group:  # a rank's memory cgroup is its node's: not read from here
+        if not self.group and chief.pid is not None:  # a rank's is its node's: not read here
             self._cgroups = oom.memory_cgroups(chief.pid)
             self._oom_before = oom.snapshot(self._cgroups)
         self.hang.start(self.n, len(self.members))
@@ -184,52 +200,65 @@ class Attempt:
     def wait(self, on_checkpoint: Callable[[], None], duties: list[Every],
              on_commits: Callable[[list], None] | None = None) -> Outcome:
         """Until the workers exit (or are stopped as hung). Raises ``Stopped`` on a stop.
-        At the first heartbeat after a training step the standby for the next attempt may
-        start (the worker's start-up and first-step tracing are over); another process's exit
-        on the queue is the standby's to hear. ``on_checkpoint``: a watched folder saw a
-        commit; ``on_commits(commits)``: a beat of this attempt, with the commits its rank
-        told of (core/heartbeat.py; none, often: the ledger tries what still waits)."""
+        The listener (``standby``) hears the first heartbeat after a training step (the
+        worker's start-up and first-step tracing are over), each commit after it, and the exit
+        of any process on the queue that is not a member. ``on_checkpoint``: a watched folder
+        saw a commit; ``on_commits(commits)``: a beat of this attempt, with the commits its
+        rank told of (core/heartbeat.py; none, often: the ledger tries what still waits)."""
         for d in duties:
-            d.arm()
-        hang_age, training = None, False
+            d.arm(self.clock.monotonic())
+        hang_age, self._training = None, False
         while True:
-            due = min([d.due for d in duties], default=time.monotonic() + 60.0)
-            timeout = min(due - time.monotonic(), self.hang.remaining())
-            try:
-                item = self.events.get(timeout=max(0.0, timeout))
-            except queue.Empty:
-                item = Tick()
+            item = self._next(duties)
             rc = self._exited(item)
             if rc is not None:
                 break
-            if isinstance(item, Committed):
-                on_checkpoint()
-                if training:
-                    self.standby.retry(self.n + 1)
-            elif isinstance(item, Beat):
-                record = item.record if item.record is not None else \
-                    heartbeat.read(rank_dir(self.hang.run_dir, item.rank))
-                self.hang.beat(item.rank, record)
-                if on_commits is not None and record and record.get("attempt") == self.n:
-                    on_commits(record.get("commits") or [])
-                if self.hang.stepped and not training:
-                    training = True
-                    self.standby.start(self.n + 1)
-            elif isinstance(item, Exited):
-                self.standby.exited(item.key, item.code, self.n + 1)
-            elif isinstance(item, Stop):
-                raise Stopped()
+            self._hear(item, on_checkpoint, on_commits)
             if self.hang.remaining() <= 0:
                 hang_age = self.hang.age()
                 rc = self._stop_hung(hang_age)
                 break
-            now = time.monotonic()
+            now = self.clock.monotonic()
             for d in duties:
                 d.maybe(now)
+        return self._outcome(rc, hang_age)
+
+    def _next(self, duties: list[Every]):
+        """The next item on the queue, or a ``Tick`` when a duty or the hang clock is due."""
+        now = self.clock.monotonic()
+        due = min([d.due for d in duties], default=now + 60.0)
+        try:
+            return self.events.get(timeout=max(0.0, min(due - now, self.hang.remaining())))
+        except queue.Empty:
+            return Tick()
+
+    def _hear(self, item, on_checkpoint: Callable[[], None],
+              on_commits: Callable[[list], None] | None) -> None:
+        """What an item that does not end the attempt means: a commit, a beat, a stranger's
+        exit (the listener's to hear), a stop."""
+        if isinstance(item, Committed):
+            on_checkpoint()
+            if self._training:
+                self.standby.on_commit(self.n)
+        elif isinstance(item, Beat):
+            record = item.record if item.record is not None else \
+                heartbeat.read(rank_dir(self.hang.run_dir, item.rank))
+            self.hang.beat(item.rank, record)
+            if on_commits is not None and record and record.get("attempt") == self.n:
+                on_commits(record.get("commits") or [])
+            if self.hang.stepped and not self._training:
+                self._training = True
+                self.standby.on_training(self.n)
+        elif isinstance(item, Exited):
+            self.standby.on_exit(item.key, item.code, self.n)
+        elif isinstance(item, Stop):
+            raise Stopped()
+
+    def _outcome(self, rc: int, hang_age: float | None) -> Outcome:
         error = read_json(self.error_record)
         if error is not None and error.get("attempt") != self.n:
             error = None  # an earlier attempt's record
-        return Outcome(self.n, rc, time.time() - self.t0, hang_age, error, self.log,
+        return Outcome(self.n, rc, self.clock.time() - self.t0, hang_age, error, self.log,
                        self._oom_evidence(rc) if hang_age is None else None)
 
     def _member(self, item) -> Member | None:
@@ -248,7 +277,7 @@ class Attempt:
         m.exit_code, m.exited_at = item.code, item.at
         if m.exit_code != 0 and self.failed is None:
             running = [x for x in self.members if x.exit_code is None]
-            stopped_at = time.time()
+            stopped_at = self.clock.time()
             self.stop(grace=0.0)
             self._wait_stopped()
             self.failed = f = first_failed(m, running, stopped_at)
@@ -323,12 +352,12 @@ class Attempt:
                      f"{self.hang.timeout:g} s): dumping every rank's stacks into its log and "
                      f"stopping the group")
             self.signal(heartbeat.STACK_DUMP_SIGNAL)
-            time.sleep(STACK_DUMP_WAIT_S)
+            self.clock.sleep(STACK_DUMP_WAIT_S)
         else:
             log.info(f"attempt {self.n}: no heartbeat for {age:.1f} s (limit "
                      f"{self.hang.timeout:g} s): dumping its stacks into {self.log} and "
                      f"stopping it")
-            dump_stacks(chief.pid, self.log)
+            dump_stacks(chief.pid, self.log, clock=self.clock)
         self.stop(grace=0.0)
         return self._wait_stopped()
 

@@ -20,6 +20,7 @@ from typing import Callable
 
 from orchestrator.checkpoint import tiers
 from orchestrator.checkpoint.mirror import DurableMirror, remount_hook
+from orchestrator.checkpoint.settle import Settling, policy_for
 from orchestrator.core.backends import ENV_BACKEND, KERAS_BACKEND_ENV
 from orchestrator.core.clock import Clock
 from orchestrator.core.events import Event
@@ -32,7 +33,7 @@ from orchestrator.recovery import faults as faults_mod
 from orchestrator.recovery.actions import Remedies
 from orchestrator.recovery.policy import RecoveryPolicy
 from orchestrator.supervise.console import Progress
-from orchestrator.supervise.controlmirror import ControlMirror
+from orchestrator.supervise.controlmirror import SEGMENT_S, ControlMirror
 from orchestrator.supervise.lease import LeaseKeeper
 from orchestrator.supervise.ledger import CheckpointLedger
 from orchestrator.supervise.slot import WorkerSlot
@@ -87,7 +88,9 @@ class RunDirectory:
         self.lease = LeaseKeeper(self.lock, Lease(spec.lock_stale_after, clock), self.outage,
                                  self.journal, slot.hang, slot.signal,
                                  on_lost=lambda lost: slot.stop(), clock=clock)
-        self.control = ControlMirror(rd, self.outage, hold=self.lease.hold, clock=clock)
+        writeback = policy_for(spec.checkpoint, rd.checkpoints).writeback
+        self.control = ControlMirror(rd, self.outage, hold=self.lease.hold, clock=clock,
+                                     segment_s=SEGMENT_S if writeback else None)
 
     def take(self) -> dict | None:
         """Make the run directory and take its lock; the stale lock taken over, if any."""
@@ -162,11 +165,14 @@ class Checkpoints:
                  clock: Clock):
         c = spec.checkpoint
         self.store = tiers.for_spec(spec)
+        self.settling = Settling(policy_for(c, self.store.durable.root), run_dir.journal,
+                                 self.store.durable.root, clock)
         self.mirror = DurableMirror(self.store, run_dir.journal, c.retention,
                                     c.upload_backoff_initial, c.upload_backoff_max,
                                     remount=remount or remount_hook(spec),
                                     hold=run_dir.lease.hold,
-                                    outage=run_dir.outage, clock=clock)
+                                    outage=run_dir.outage, clock=clock,
+                                    settling=self.settling, max_bytes=c.durable_max_bytes)
         self.ledger = CheckpointLedger(self.store, run_dir.journal, run_dir.console,
                                        on_progress=recovery.policy.progress,
                                        on_scanned=self.mirror.notify)

@@ -12,6 +12,10 @@ late) and, after an outage, delivers the backlog in order.
   if the durable copy is not the size the last append left (another VM wrote to it, or it was
   replaced), the journal is merged line by line instead and a log is copied whole.
 - Other files (heartbeat, error records, fault marks) are replaced when they changed.
+- ``segment_s`` (a run directory on a write-back cache, checkpoint/settle.py): the run
+  directory's journal is closed into segments (core/journal.py) every ``segment_s`` seconds and
+  at the end, so that what must outlive the runtime is in files the cache is left alone to
+  upload; the live file holds the lines since the last segment.
 - ``merge_on_start``: a new VM has only the durable journal; a VM that survived an outage may
   hold events the run directory never received. Lines either side lacks are added to it, so both
   journals hold the same events in the same order (a line is one event, with its timestamp: two
@@ -34,7 +38,7 @@ from tenacity import wait_exponential
 
 from orchestrator.core import heartbeat
 from orchestrator.core.clock import SYSTEM, Clock
-from orchestrator.core.journal import append_lines
+from orchestrator.core.journal import append_lines, raw_lines, segment_paths, segments_dir
 from orchestrator.core.osutil import complete_lines, file_size, is_missing, write_atomic
 from orchestrator.core.outage import Outage
 from orchestrator.core.rundir import ATTEMPTS_DIR, FAULTS_DIR, JOURNAL_FILE, RunDir, rank_of
@@ -42,35 +46,46 @@ from orchestrator.core.rundir import ATTEMPTS_DIR, FAULTS_DIR, JOURNAL_FILE, Run
 log = logging.getLogger(__name__)
 
 CONTROL_SYNC_S = 0.5
+# On a write-back cache, the run directory's journal is closed into a segment once its oldest
+# line is this old: a recycle loses at most this much history plus the cache's upload delay.
+SEGMENT_S = 15.0
 # While the run directory is down, retry every 0.5 s growing to 5 s: a returning mount is seen
 # within 5 s, and a dead one costs one failing call every 5 s.
 RETRY_WAIT = wait_exponential(multiplier=CONTROL_SYNC_S, max=5.0)
 
 
-def journal_lines(path: str) -> tuple[list[bytes], int]:
+def journal_lines(path: str, segments: bool = False) -> tuple[list[bytes], int]:
     """The journal's complete, parseable lines (a torn line of a killed writer is dropped) and
-    the bytes they span. Raises OSError when it cannot be read; a missing file has none."""
+    the bytes they span (of the live file). ``segments``: its closed segments' lines first.
+    Raises OSError when it cannot be read; a missing file has none."""
     try:
         with open(path, "rb") as f:
             data = complete_lines(f.read())
     except FileNotFoundError:
-        return [], 0
-    out = []
-    for line in data.splitlines(keepends=True):
-        try:
-            json.loads(line)
-        except ValueError:
-            continue
-        out.append(line)
-    return out, len(data)
+        data = b""
+    if segments and segment_paths(path):
+        lines = [x for x in raw_lines(path) if x.endswith(b"\n")]
+        return [x for x in lines if _parses(x)], len(data)
+    return [x for x in data.splitlines(keepends=True) if _parses(x)], len(data)
+
+
+def _parses(line: bytes) -> bool:
+    try:
+        json.loads(line)
+    except ValueError:
+        return False
+    return True
 
 
 class ControlMirror:
     def __init__(self, rd: RunDir, outage: Outage, hold: Callable[[], bool] = lambda: True,
-                 clock: Clock = SYSTEM):
+                 clock: Clock = SYSTEM, segment_s: float | None = None):
         """``hold()`` is asked before each pass: False means write nothing to the run directory
-        now (the lock is not ours, or not confirmed since an outage)."""
+        now (the lock is not ours, or not confirmed since an outage). ``segment_s``: close the
+        run directory's journal into a segment this often (None: one growing file)."""
         self.rd, self.outage, self.hold, self.clock = rd, outage, hold, clock
+        self.segment_s = segment_s
+        self._live_since: float | None = None  # when the live file's oldest line was appended
         self._appended: dict[str, tuple[int, int | None]] = {}  # rel -> (local, durable) sizes
         self._copied: dict[str, tuple] = {}                     # rel -> local (size, mtime_ns)
         self._wake = threading.Event()
@@ -94,7 +109,7 @@ class ControlMirror:
         if not self.mirrored:
             return {}
         local, durable = self.rd.journal, os.path.join(self.rd.root, JOURNAL_FILE)
-        (mine, read), (theirs, _) = journal_lines(local), journal_lines(durable)
+        (mine, read), (theirs, _) = journal_lines(local), journal_lines(durable, segments=True)
         if mine and (is_missing(self.rd.run_info) or (theirs and theirs[0] != mine[0])):
             # Another run's state: the run directory was deleted (or replaced) and this is a
             # new run. Kept aside, not merged, not deleted.
@@ -164,6 +179,11 @@ class ControlMirror:
         if not self.mirrored or flush_timeout is None:
             return True
         done = self.flush(flush_timeout)
+        if done and self.segment_s is not None:
+            try:
+                self._rotate()  # the whole journal in closed files
+            except OSError as exc:
+                log.warning(f"could not close the journal's last segment ({exc})")
         if not done:
             log.warning(f"the run directory {self.rd.root} is still unreachable: "
                         f"{self.held_back()} are kept in {self.rd.control}; starting the run "
@@ -220,6 +240,28 @@ class ControlMirror:
             return
         if data:
             self._appended[rel] = (local_off + len(data), append_lines(dest, data))
+            if rel == JOURNAL_FILE and self.segment_s is not None:
+                now = self.clock.time()
+                if self._live_since is None:
+                    self._live_since = now
+                elif now - self._live_since >= self.segment_s:
+                    self._rotate()
+
+    def _rotate(self) -> None:
+        """Close the run directory's live journal into the next segment (written whole, once)
+        and empty it. Cut short between the two, a line is in both: readers take it once."""
+        live = os.path.join(self.rd.root, JOURNAL_FILE)
+        with open(live, "rb") as f:
+            data = complete_lines(f.read())
+        if not data:
+            return
+        done = segment_paths(live)
+        n = int(os.path.basename(done[-1])[:-6]) + 1 if done else 1
+        os.makedirs(segments_dir(live), exist_ok=True)
+        write_atomic(os.path.join(segments_dir(live), f"{n:06d}.jsonl"), data)
+        write_atomic(live, b"")
+        self._appended[JOURNAL_FILE] = (self._appended[JOURNAL_FILE][0], 0)
+        self._live_since = None
 
     def _resync(self, rel: str, src: str, dest: str) -> None:
         """The durable copy is not what our last append left: merge (journal) or copy (log)."""

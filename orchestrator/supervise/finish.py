@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import subprocess
 import time
 
@@ -18,7 +19,7 @@ from orchestrator.core.events import Event
 from orchestrator.core.journal import Journal
 from orchestrator.core.kinds import Action
 from orchestrator.core.osutil import read_json
-from orchestrator.core.rundir import RunDir
+from orchestrator.core.rundir import RunDir, export_leftovers
 from orchestrator.core.spec import JobSpec
 from orchestrator.recovery.policy import Decision
 from orchestrator.supervise.attempt import Outcome
@@ -45,6 +46,7 @@ class RunEnd:
         log.info(f"run '{self.spec.name}' completed: {final.epoch} epochs, "
                  f"{counters['restarts']} restart(s) this session; weights sha256 {fp}")
         self._export(final)
+        self._tidy_export()
         return 0
 
     def failed(self, outcome: Outcome, decision: Decision, evidence: str | None, epoch: int,
@@ -67,7 +69,8 @@ class RunEnd:
     def _flush_durable(self) -> list[int]:
         """Wait (up to checkpoint.flush_timeout) until every checkpoint due is durable."""
         timeout = self.spec.checkpoint.flush_timeout
-        pending = self.mirror.flush(timeout)
+        pending = self.mirror.flush(timeout) if self.mirror.running else \
+            [c.step for c in self.mirror.backlog()]  # no mirror to wait for: what it lacks
         if pending:
             local = self.mirror.store.local.root
             self.journal.append(Event.DURABLE_BACKLOG, steps=pending, at="run_end",
@@ -77,6 +80,19 @@ class RunEnd:
                 f"(steps {pending}); they are only in {local}. Run the same command again on "
                 f"this machine to flush them.")
         return pending
+
+    def _tidy_export(self) -> None:
+        """Remove what an export killed half-way left beside ``export/`` (its staging folder,
+        or the old export it was replacing). At the end of a completed run every worker and
+        exporter of it has exited, and the lease keeps any other supervisor out: no one is
+        writing them."""
+        try:
+            for path in export_leftovers(self.rd.export):
+                shutil.rmtree(path)
+                log.info(f"removed {os.path.basename(path)}/, left in the run directory by an "
+                         f"export that was killed half-way")
+        except OSError as exc:  # the run directory went away: the next completed run tidies
+            log.info(f"could not tidy the export's leftovers in {self.rd.root}: {exc}")
 
     def _export(self, final) -> None:
         """Export the final model for inference in a separate process (it imports TF), unless

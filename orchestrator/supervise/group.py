@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from orchestrator.core.osutil import read_json
 from orchestrator.supervise.procs import identity_record, kill_group, spawn, watch_exit
@@ -43,6 +45,7 @@ class Member:
     identity: dict | None = None  # taken where it was spawned (core/procid.py), as journaled
     control: str | None = None  # its control folder here (RunDir.for_rank): relayed state
     node: str | None = None     # the engine's name for its node (Ray: the node's address)
+    pipe: bool = False          # a standby's: its promotion line comes on its stdin
 
     def describe(self, identity: bool = False) -> dict:
         """Where it runs; with ``identity``, what a later supervisor needs to know its pid
@@ -86,6 +89,37 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+class Engine(Protocol):
+    """Who runs an attempt's workers: the supervisor is given one (``LocalEngine`` here,
+    ``rayengine.RayEngine``, the tests' ``FakeEngine``) and never starts a worker itself. Each
+    member's exit reaches the attempt as ``messages.Exited(member, code, at)`` on ``events``;
+    its beats and commits come as ``Beat`` and ``Committed`` on the same queue."""
+
+    name: str
+
+    def placement_timeout(self) -> float | None:
+        """How long ``open`` may wait for resources (None: it never waits)."""
+
+    def open(self, size: int) -> list[tuple[str, str]]:
+        """Place ``size`` ranks: (host name, host:port for TF_CONFIG) of each."""
+
+    def spawn(self, m: Member, cmd: list[str], env: dict, cwd: str, events) -> None:
+        """Start ``m``'s worker; fill in its pid, handle and identity."""
+
+    def signal(self, m: Member, sig: int) -> None:
+        """``sig`` to ``m``'s process group (the lease's SIGSTOP/SIGCONT, a stack dump)."""
+
+    def kill(self, m: Member, grace: float) -> None:
+        """SIGTERM, ``grace`` seconds, then SIGKILL to ``m``'s process group."""
+
+    def gather(self, timeout: float) -> dict | None:
+        """Before a group is placed again: what only the last chief's node held, made
+        readable here (None: nothing to gather)."""
+
+    def close(self) -> None:
+        """Release what is held between attempts."""
+
+
 class LocalEngine:
     """The ranks as processes on this machine, each in its own process group."""
 
@@ -101,9 +135,10 @@ class LocalEngine:
         return [(os.uname().nodename, f"127.0.0.1:{free_port()}") for _ in range(size)]
 
     def spawn(self, m: Member, cmd: list[str], env: dict, cwd: str, events) -> None:
-        proc = spawn(cmd, env, cwd, m.log)
+        proc = spawn(cmd, env, cwd, m.log,
+                     stdin=subprocess.PIPE if m.pipe else subprocess.DEVNULL)
         m.handle, m.pid, m.identity = proc, proc.pid, identity_record(proc)
-        watch_exit(proc, events, m, f"wait-rank-{m.rank}")
+        watch_exit(proc, events, m, "wait-standby" if m.pipe else f"wait-rank-{m.rank}")
 
     def signal(self, m: Member, sig: int) -> None:
         try:

@@ -30,16 +30,6 @@ from orchestrator.core.journal import Journal
 log = logging.getLogger(__name__)
 
 
-def state_bytes(manifest: dict) -> int | None:
-    """The state's size: the bytes of the files a checkpoint's manifest names (what a restore
-    reads into host memory, and a capture copies out of the device). The standby's memory rule
-    counts it (standby_policy.memory_allows)."""
-    files = manifest.get("files")
-    if not isinstance(files, dict):
-        return None
-    return sum(int(m.get("size") or 0) for m in files.values() if isinstance(m, dict))
-
-
 class CheckpointLedger:
     def __init__(self, store: TieredStore, journal: Journal, console,
                  on_progress: Callable[[], None], on_scanned: Callable[[], None]):
@@ -137,11 +127,17 @@ class CheckpointLedger:
                             batch=c.manifest.get("batch", 0), step=c.step, path=c.path,
                             weights_sha256=c.manifest.get("weights_sha256"),
                             state_sha256=c.manifest.get("state_sha256"),
-                            state_bytes=state_bytes(c.manifest))
+                            state_bytes=c.nbytes,  # the standby's memory rule counts it
+                            bytes_written=c.manifest.get("bytes_written"))
         self.steps.add(c.step)
 
     def latest(self) -> Checkpoint | None:
-        return self.store.latest_valid()
+        """The newest intact checkpoint, for the supervisor's bookkeeping (the epoch reached,
+        whether the run is complete). Asked four times between a worker's death and the next
+        one's start: a copy this process hashed already and whose files are unchanged is not
+        hashed again (the seconds of a large checkpoint's sha256, each time, on the cold
+        path); the worker that restores it hashes it itself."""
+        return self.store.latest_valid(cached=True)
 
     def latest_epoch(self) -> int:
         c = self.latest()

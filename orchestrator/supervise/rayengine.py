@@ -22,7 +22,10 @@ import importlib.util
 import logging
 import os
 import signal
+import socket
+import subprocess
 import threading
+import time
 
 from orchestrator.core.clock import SYSTEM
 from orchestrator.core.events import Event
@@ -65,25 +68,15 @@ def _host_class(ray):
         def place(self) -> tuple[str, str, str, str, str]:
             """(host name, host:port for TF_CONFIG, the node's address, its node_key, Ray's
             id of the node: a node that comes back at the same address is another)."""
-            import socket
-
-            ip = ray.util.get_node_ip_address()  # 127.0.0.1 for a one-node Ray on loopback
-            return (socket.gethostname(), f"{ip}:{free_port(ip)}", ip, relay.node_key(),
-                    ray.get_runtime_context().get_node_id())
+            return _place(ray)
 
         def start(self, cmd: list, env: dict, cwd: str, log: str, control: str, files: bool,
                   tiers: tuple | None) -> tuple:
             """(pid, identity, relay cursor): taken here, on its node, where its /proc is.
             ``files``: this node is not the supervisor's (relay the journal and the log);
             ``tiers``: (local root, durable root, retention) for this node's durable copies."""
-            env = dict(env, **{k: v for k, v in os.environ.items() if k in RAY_DEVICE_ENV})
-            os.makedirs(os.path.dirname(log), exist_ok=True)
-            os.makedirs(control, exist_ok=True)
-            self.files = relay.RankFiles(control, log, files)
-            cursor = self.files.cursor()
-            if tiers is not None:
-                self.mirror = NodeMirror(*tiers, journal=os.path.join(control, JOURNAL_FILE))
-            self.proc = spawn(cmd, env, cwd, log)
+            self.files, self.mirror, self.proc, cursor = _start_rank(cmd, env, cwd, log,
+                                                                     control, files, tiers)
             return self.proc.pid, identity_record(self.proc), cursor
 
         def relay(self, cursor, timeout: float) -> tuple:
@@ -92,25 +85,7 @@ def _host_class(ray):
 
         def wait(self, error_record: str, log: str) -> tuple:
             """(exit status, when it exited here, its error record, the end of its log)."""
-            import time
-
-            rc = self.proc.wait()
-            at = time.time()  # the ranks' order of exit: Ray tells the exits in its own
-            if self.mirror is not None:  # its last checkpoints durable before the exit is told
-                self.mirror.close()
-            record = tail = None
-            try:
-                with open(error_record, encoding="utf-8") as f:
-                    record = f.read()
-            except OSError:
-                record = None
-            try:
-                with open(log, "rb") as f:
-                    f.seek(max(0, os.path.getsize(log) - 64 * 1024))
-                    tail = f.read()
-            except OSError:
-                tail = None
-            return rc, at, record, tail
+            return _exit_report(self.proc, self.mirror, error_record, log)
 
         def make_durable(self, timeout: float) -> dict | None:
             """This node's checkpoints not durable yet, copied now (``NodeMirror.again``);
@@ -126,8 +101,6 @@ def _host_class(ray):
                     pass  # it exited meanwhile: wait() reports it
 
         def stop(self, grace: float) -> None:
-            import subprocess
-
             if self.proc is None or self.proc.poll() is not None:
                 return
             self.signal(signal.SIGTERM)
@@ -139,6 +112,50 @@ def _host_class(ray):
             self.proc.wait()
 
     return WorkerHost
+
+
+def _place(ray) -> tuple[str, str, str, str, str]:
+    """Where ``WorkerHost.place`` runs, as it answers it."""
+    ip = ray.util.get_node_ip_address()  # 127.0.0.1 for a one-node Ray on loopback
+    return (socket.gethostname(), f"{ip}:{free_port(ip)}", ip, relay.node_key(),
+            ray.get_runtime_context().get_node_id())
+
+
+def _start_rank(cmd: list, env: dict, cwd: str, log: str, control: str, files: bool,
+                tiers: tuple | None) -> tuple:
+    """On a rank's node (``WorkerHost.start``): its relay, its node's durable mirror (where
+    ``tiers``), then its worker in the bundle's devices: (files, mirror, process, cursor)."""
+    env = dict(env, **{k: v for k, v in os.environ.items() if k in RAY_DEVICE_ENV})
+    os.makedirs(os.path.dirname(log), exist_ok=True)
+    os.makedirs(control, exist_ok=True)
+    rank_files = relay.RankFiles(control, log, files)
+    cursor = rank_files.cursor()
+    mirror = None
+    if tiers is not None:
+        mirror = NodeMirror(*tiers, journal=os.path.join(control, JOURNAL_FILE))
+    return rank_files, mirror, spawn(cmd, env, cwd, log), cursor
+
+
+def _exit_report(proc, mirror, error_record: str, log: str) -> tuple:
+    """On a rank's node (``WorkerHost.wait``): (exit status, when it exited there, its error
+    record, the end of its log), its node's last checkpoints made durable first."""
+    rc = proc.wait()
+    at = time.time()  # the ranks' order of exit: Ray tells the exits in its own
+    if mirror is not None:  # its last checkpoints durable before the exit is told
+        mirror.close()
+    record = tail = None
+    try:
+        with open(error_record, encoding="utf-8") as f:
+            record = f.read()
+    except OSError:
+        record = None
+    try:
+        with open(log, "rb") as f:
+            f.seek(max(0, os.path.getsize(log) - 64 * 1024))
+            tail = f.read()
+    except OSError:
+        tail = None
+    return rc, at, record, tail
 
 
 class NodeMirror:

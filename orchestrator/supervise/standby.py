@@ -22,6 +22,7 @@ never imports TensorFlow.
 from __future__ import annotations
 
 import contextlib
+import enum
 import json
 import os
 import queue
@@ -42,7 +43,7 @@ from orchestrator.recovery import oom
 from orchestrator.recovery.failures import read_tail
 from orchestrator.recovery.policy import is_preemption
 from orchestrator.supervise import standby_policy
-from orchestrator.supervise.procs import identity_record, spawn, watch_exit
+from orchestrator.supervise.group import Engine, LocalEngine, Member
 
 ON = StandbyMode.ON            # the job's setting: a standby wherever the device allows one
 WARM, IMPORT_ONLY = StandbyMode.WARM, StandbyMode.IMPORT_ONLY
@@ -93,34 +94,88 @@ RETRY_S = 15.0
 DISCARD_WAIT_S = 10.0
 
 
+class StandbyState(str, enum.Enum):
+    """The life of one standby process (as TorchElastic's ``WorkerState``); each line: the
+    state, then what moves it on.
+
+    STARTED: spawned, warming up at the lowest priority -> READY, ADOPTED, DISCARDED, LOST.
+    READY: it journaled ``standby_ready``, waiting on its stdin -> PROMOTED, DISCARDED, LOST.
+    PROMOTED: the promotion line reached it ready; it is the attempt now (final).
+    ADOPTED: the line reached it still warming up; it finishes as the attempt (final).
+    DISCARDED: killed unused: unfit for the recovery, or the run ended (final).
+    LOST: it exited on its own before any promotion (final).
+    """
+
+    STARTED = "started"
+    READY = "ready"
+    PROMOTED = "promoted"
+    ADOPTED = "adopted"
+    DISCARDED = "discarded"
+    LOST = "lost"
+
+    @property
+    def live(self) -> bool:
+        """Its process is the keeper's still (may yet be promoted or discarded)."""
+        return self in (StandbyState.STARTED, StandbyState.READY)
+
+
+TRANSITIONS = {
+    StandbyState.STARTED: {StandbyState.READY, StandbyState.ADOPTED, StandbyState.DISCARDED,
+                           StandbyState.LOST},
+    StandbyState.READY: {StandbyState.PROMOTED, StandbyState.DISCARDED, StandbyState.LOST},
+}
+
+
 class Standby:
-    """One standby process, meant to become attempt ``for_attempt``."""
+    """One standby process, meant to become attempt ``for_attempt``; ``state`` says where it
+    is in its life (``StandbyState``), and every move is checked against ``TRANSITIONS``."""
 
     def __init__(self, for_attempt: int, mode: str, cmd: list[str], env: dict, cwd: str,
-                 log: str, events: queue.Queue, journal: Journal):
+                 log: str, events: queue.Queue, journal: Journal, engine: Engine | None = None):
         self.for_attempt, self.mode, self.cmd, self.env = for_attempt, mode, cmd, env
         self.cwd, self.log, self.events, self.journal = cwd, log, events, journal
-        self.proc: subprocess.Popen | None = None
+        self.engine = engine or LocalEngine()
+        self.member = Member(0, os.uname().nodename, log, "", pipe=True)
+        self.state: StandbyState | None = None
         self.t0 = 0.0
+
+    @property
+    def proc(self):
+        """Its process (a Popen where the local engine spawned it), once started."""
+        return self.member.handle
+
+    def move(self, state: StandbyState) -> None:
+        """To ``state``, if ``TRANSITIONS`` allows it from where it is (ValueError if not)."""
+        if self.state is not None and state not in TRANSITIONS.get(self.state, ()):
+            raise ValueError(f"standby for attempt {self.for_attempt}: {self.state.value} "
+                             f"cannot become {state.value}")
+        self.state = state
 
     def start(self) -> "Standby":
         self.t0 = time.time()
-        self.proc = proc = spawn(self.cmd, self.env, self.cwd, self.log, stdin=subprocess.PIPE)
-        self.journal.append(Event.STANDBY_STARTED, for_attempt=self.for_attempt, pid=proc.pid,
-                            host=os.uname().nodename, identity=identity_record(proc),
-                            mode=self.mode, log=self.log)
         # the same queue and item as an attempt's: once promoted, Attempt.wait sees its exit
-        watch_exit(proc, self.events, proc, f"wait-standby-{self.for_attempt}")
+        self.engine.spawn(self.member, self.cmd, self.env, self.cwd, self.events)
+        self.move(StandbyState.STARTED)
+        self.journal.append(Event.STANDBY_STARTED, for_attempt=self.for_attempt,
+                            pid=self.member.pid, host=self.member.host,
+                            identity=self.member.identity, mode=self.mode, log=self.log)
         return self
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
     def ready(self) -> bool:
-        """It journaled ``standby_ready``: warmed up and waiting."""
-        pid = self.proc.pid if self.proc else None
-        return any(e.get("pid") == pid and e.get("for_attempt") == self.for_attempt
-                   for e in self.journal.iter(Event.STANDBY_READY))
+        """Warmed up and waiting: READY once it journaled ``standby_ready`` (the one journal
+        scan of its life: the worker says so in its own journal, not on the queue)."""
+        if self.state is StandbyState.STARTED and any(
+                e.get("pid") == self.member.pid and e.get("for_attempt") == self.for_attempt
+                for e in self.journal.iter(Event.STANDBY_READY)):
+            self.move(StandbyState.READY)
+        return self.state is StandbyState.READY
+
+    def lost(self) -> None:
+        """It exited on its own before a promotion."""
+        self.move(StandbyState.LOST)
 
     def unfit(self, action: str, env: dict) -> str | None:
         """Why this standby cannot become the next attempt (None: it can)."""
@@ -139,15 +194,18 @@ class Standby:
         lines = [ln for ln in read_tail(self.log, 4096).splitlines() if ln.strip()]
         return f"exit code {rc}" + (f": {lines[-1].strip()[:200]}" if lines else "")
 
-    def promote(self, attempt: int, log: str) -> subprocess.Popen:
-        """Make it attempt ``attempt``: its log becomes the attempt's, then the promotion line.
-        Raises ``OSError`` (a broken pipe) when it died just now: the caller goes cold."""
+    def promote(self, attempt: int, log: str) -> Member:
+        """Make it attempt ``attempt``: its log becomes the attempt's, then the promotion line
+        (PROMOTED when it was ready, else ADOPTED). Raises ``OSError`` (a broken pipe) when it
+        died just now: the caller goes cold."""
+        ready = self.ready()
         if self.log != log:
             os.replace(self.log, log)  # its open descriptor follows the file
-            self.log = log
+            self.log = self.member.log = log
         self.proc.stdin.write(json.dumps({"attempt": attempt}).encode() + b"\n")
         self.proc.stdin.close()
-        return self.proc
+        self.move(StandbyState.PROMOTED if ready else StandbyState.ADOPTED)
+        return self.member
 
     def discard(self, reason: str) -> None:
         """Kill its whole process group (nothing in it is worth saving), wait until it is gone
@@ -156,17 +214,18 @@ class Standby:
         (not yet a zombie) when the supervisor had exited."""
         if self.proc is None:
             return
-        alive = self.alive()
-        with contextlib.suppress(ProcessLookupError):  # the whole group is gone already
-            os.killpg(self.proc.pid, signal.SIGKILL)
+        alive, ready = self.alive(), self.ready()
+        self.engine.signal(self.member, signal.SIGKILL)  # the whole group gone already: fine
         with contextlib.suppress(subprocess.TimeoutExpired):  # journaled as it is, all the same
             self.proc.wait(timeout=DISCARD_WAIT_S)
         if self.proc.stdin and not self.proc.stdin.closed:
             with contextlib.suppress(BrokenPipeError):  # its reader is gone: nothing to flush
                 self.proc.stdin.close()
+        if self.state is not None and self.state.live:
+            self.move(StandbyState.DISCARDED)
         self.journal.append(Event.STANDBY_DISCARDED, for_attempt=self.for_attempt,
                             pid=self.proc.pid, reason=reason, was_alive=alive,
-                            was_ready=self.ready(), age_s=round(time.time() - self.t0, 3))
+                            was_ready=ready, age_s=round(time.time() - self.t0, 3))
 
 
 class StandbyKeeper:
@@ -177,15 +236,25 @@ class StandbyKeeper:
     next attempt's environment and what the remedies know of the device."""
 
     def __init__(self, spec: JobSpec, cmd: Callable | None, rd: RunDir, journal: Journal,
-                 slot, recovery, cores: Callable[[], int] | None = None):
+                 slot, recovery, cores: Callable[[], int] | None = None,
+                 engine: Engine | None = None):
         self.spec, self.cmd, self.rd, self.journal = spec, cmd, rd, journal
         self.slot, self.recovery = slot, recovery
+        self.engine = engine or LocalEngine()  # who spawns it: the attempt's engine
         self.cores = cores or (lambda: standby_policy.cores())  # looked up late: tests set it
         self._decided: tuple | None = None
         self._asked = 0.0  # monotonic time of the last decision
-        self._started_for: set[int] = set()  # attempts a standby was started for
-        self.current: Standby | None = None
-        self._replaced: set[int] = set()  # attempts whose lost standby was replaced once
+        self.standbys: list[Standby] = []  # every one started this session, in order
+
+    @property
+    def current(self) -> Standby | None:
+        """The standby still ours (started or ready), if any."""
+        sb = self.standbys[-1] if self.standbys else None
+        return sb if sb is not None and sb.state is not None and sb.state.live else None
+
+    def started_for(self, for_attempt: int) -> int:
+        """How many standbys were started for ``for_attempt`` (a lost one is replaced once)."""
+        return sum(1 for sb in self.standbys if sb.for_attempt == for_attempt)
 
     def mode(self) -> tuple[str | None, str]:
         """The mode the next standby would have, or None, with why: what the device allows
@@ -227,6 +296,31 @@ class StandbyKeeper:
                                 reason=why)
         return mode
 
+    # ------------------------------------------------------------------ the attempt's listener
+    def on_training(self, n: int) -> None:
+        """Attempt ``n`` trains (its start-up is over): a standby for ``n + 1`` may start."""
+        self.start(n + 1)
+
+    def on_commit(self, n: int) -> None:
+        """A checkpoint was committed while attempt ``n`` trains: if none was started for
+        ``n + 1``, ask again (at most every ``RETRY_S``): a long run's pace is known only from
+        its commits."""
+        if self.current is None and not self.started_for(n + 1) \
+                and time.monotonic() - self._asked >= RETRY_S:
+            self.start(n + 1)
+
+    def on_exit(self, key, rc: int, n: int) -> None:
+        """A process on the queue that is not attempt ``n``'s exited: if it is the standby, it
+        is LOST; it is replaced once per attempt (one that keeps failing is not a loop)."""
+        sb = self.current
+        if sb is None or key is not sb.member:
+            return
+        sb.lost()
+        self.journal.append(Event.STANDBY_LOST, for_attempt=sb.for_attempt, pid=sb.member.pid,
+                            exit_code=rc, detail=sb.exit_line())
+        if self.started_for(n + 1) < 2:
+            self.start(n + 1)
+
     def start(self, for_attempt: int) -> None:
         """Behind a worker that trains (its start-up done), when the job and strategy allow."""
         if self.current is not None or self.slot.stopped.is_set():
@@ -234,31 +328,12 @@ class StandbyKeeper:
         mode = self.decide(for_attempt)
         if mode is None:
             return
-        self._started_for.add(for_attempt)
-        self.current = Standby(for_attempt, mode, self.cmd(self.spec, for_attempt, mode),
-                               self.recovery.attempt_env(), self.spec.job_dir,
-                               self.rd.standby_log(for_attempt), self.slot.events,
-                               self.journal).start()
-
-    def retry(self, for_attempt: int) -> None:
-        """A checkpoint was committed while the attempt trains: if it has no standby, ask again
-        (at most every ``RETRY_S``): a long run's pace is known only from its commits."""
-        if self.current is None and for_attempt not in self._started_for \
-                and time.monotonic() - self._asked >= RETRY_S:
-            self.start(for_attempt)
-
-    def exited(self, proc, rc: int, for_attempt: int) -> None:
-        """A process on the queue that is not the attempt's exited: if it is the standby, it
-        is lost; it is replaced once per attempt (one that keeps failing is not a loop)."""
-        sb = self.current
-        if sb is None or proc is not sb.proc:
-            return
-        self.current = None
-        self.journal.append(Event.STANDBY_LOST, for_attempt=sb.for_attempt, pid=proc.pid,
-                            exit_code=rc, detail=sb.exit_line())
-        if for_attempt not in self._replaced:
-            self._replaced.add(for_attempt)
-            self.start(for_attempt)
+        sb = Standby(for_attempt, mode, self.cmd(self.spec, for_attempt, mode),
+                     self.recovery.attempt_env(), self.spec.job_dir,
+                     self.rd.standby_log(for_attempt), self.slot.events, self.journal,
+                     self.engine)
+        self.standbys.append(sb)
+        sb.start()
 
     def check(self, action: str, env: dict) -> None:
         """Before a recovery action: discard the standby if the next attempt cannot be it
@@ -269,8 +344,8 @@ class StandbyKeeper:
                 self.discard(why)
 
     def promote(self, n: int, env: dict):
-        """(the standby's process, how attempt ``n`` started) or (None, why it starts cold)."""
-        sb, self.current = self.current, None
+        """(the standby's member, how attempt ``n`` started) or (None, why it starts cold)."""
+        sb = self.current
         if sb is None:
             mode, why = self.mode()
             return None, {"path": "cold", "cold_reason": why if mode is None else (
@@ -279,20 +354,20 @@ class StandbyKeeper:
         if reason is None:
             # one still warming up is adopted (train/standby.py's Promotion): it gets its
             # priority back and finishes its start-up as the attempt, from where it is
-            ready = sb.ready()
             try:
-                proc = sb.promote(n, self.rd.attempt_log(n))
+                member = sb.promote(n, self.rd.attempt_log(n))
             except OSError as exc:  # it died between the check and the line
                 reason = f"its pipe failed ({exc})"
             else:
                 age = round(time.time() - sb.t0, 3)
-                self.journal.append(Event.STANDBY_PROMOTED, attempt=n, pid=proc.pid,
-                                    mode=sb.mode, adopted=not ready, age_s=age)
-                return proc, {"path": sb.mode if ready else ADOPTED, "standby_age_s": age}
+                adopted = sb.state is StandbyState.ADOPTED
+                self.journal.append(Event.STANDBY_PROMOTED, attempt=n, pid=member.pid,
+                                    mode=sb.mode, adopted=adopted, age_s=age)
+                return member, {"path": ADOPTED if adopted else sb.mode, "standby_age_s": age}
         sb.discard(reason)
         return None, {"path": "cold", "cold_reason": f"the standby was unfit: {reason}"}
 
     def discard(self, reason: str) -> None:
-        sb, self.current = self.current, None
+        sb = self.current
         if sb is not None:
             sb.discard(reason)

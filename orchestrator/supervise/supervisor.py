@@ -31,9 +31,12 @@ import socket
 
 from watchdog.observers import Observer
 
-from orchestrator.core import heartbeat, logs
+from orchestrator.checkpoint.lost import durable_lost
+from orchestrator.checkpoint.settle import history
+from orchestrator.core import heartbeat, hosts, logs
 from orchestrator.core.clock import SYSTEM, Clock
 from orchestrator.core.events import Event
+from orchestrator.core.journal import Journal
 from orchestrator.core.lock import LockLost
 from orchestrator.core.rundir import ENV_RESTORE_STEP, EXIT_LOCK_LOST, EXIT_STOPPED, RunDir
 from orchestrator.core.spec import JobSpec
@@ -44,7 +47,7 @@ from orchestrator.supervise import admission
 from orchestrator.supervise.attempt import Attempt, Every, Outcome, Stopped
 from orchestrator.supervise.compose import Checkpoints, Commands, Recovery, RunDirectory
 from orchestrator.supervise.finish import RunEnd, summary
-from orchestrator.supervise.group import LocalEngine
+from orchestrator.supervise.group import Engine, LocalEngine
 from orchestrator.supervise.procs import kill_orphans
 from orchestrator.supervise.slot import WorkerSlot, watch
 from orchestrator.supervise.standby import StandbyKeeper
@@ -54,14 +57,17 @@ log = logging.getLogger(__name__)
 
 class Supervisor:
     def __init__(self, spec: JobSpec, commands: Commands = Commands(), out=None, env=None,
-                 faults=(), force: bool = False, remount=None, cell=None, clock: Clock = SYSTEM):
+                 faults=(), force: bool = False, remount=None, cell=None, clock: Clock = SYSTEM,
+                 engine: Engine | None = None):
         """``commands``: the worker, standby and exporter it starts (compose.Commands).
         ``env``: the environment they start in (default: ours). ``force`` resumes under a
         changed training hash. ``remount(durable_dir)`` replaces the job's
         ``checkpoint.remount`` hook (a notebook may pass its own). ``cell``: a job given to
         ``orchestrator.run`` as keywords (core/cellcode.CellJob), frozen with its code once the
         run is admitted. ``clock``: what the lease, the hang clock, the mirrors and the waits
-        between attempts read. Each group is built from those before it (compose.py)."""
+        between attempts read. ``engine``: who runs the workers (group.Engine; None: the
+        spec's, local processes or Ray, chosen at the start; the tests give a fake one). Each
+        group is built from those before it (compose.py)."""
         self.spec, self.commands, self.force, self.cell, self.clock = \
             spec, commands, force, cell, clock
         self.rd = RunDir.for_spec(spec)
@@ -70,8 +76,10 @@ class Supervisor:
         self.recovery = Recovery(spec, env, faults, self.slot, self.run_dir, clock)
         self.checkpoints = Checkpoints(spec, self.run_dir, self.recovery, remount, clock)
         self.run_dir.lease.when_lost(lambda lost: self.checkpoints.mirror.stop(timeout=0))
+        self.engine: Engine | None = engine
+        self.group = spec.workers > 1 or spec.engine != "local"  # ranks placed by the engine
         self.standby = StandbyKeeper(spec, commands.standby, self.rd, self.run_dir.journal,
-                                     self.slot, self.recovery)
+                                     self.slot, self.recovery, engine=engine)
         self.end = RunEnd(spec, self.rd, self.run_dir.journal, self.checkpoints.mirror,
                           self.run_dir.console, commands.export, self.recovery.export_env,
                           run_dir_back=self.run_dir.control.flush)
@@ -80,7 +88,6 @@ class Supervisor:
         self.ledger, self.policy = self.checkpoints.ledger, self.recovery.policy
         self.restarts = 0
         self.last_attempt = 0  # the number of the latest attempt, of any session
-        self.engine = None  # several workers: who places them (supervise/group.py)
 
     # ------------------------------------------------------------------ public
     def run(self) -> int:
@@ -97,34 +104,59 @@ class Supervisor:
             self.console.start()
             self.run_dir.outage.retry_start(
                 lambda: self._open_run(stale, self.run_dir.control.merge_on_start()))
-            self.engine = self._group_engine()
+            self.engine = self.engine or self._spec_engine()
             watch(observer, self.slot, self.checkpoints.store, self.rd)
             self.checkpoints.mirror.start()
             self.run_dir.control.start()
             return self._supervise()
         except (Stopped, KeyboardInterrupt) as exc:
-            if self.lock_lost is not None:
-                return self._stand_down()
-            if isinstance(exc, KeyboardInterrupt):
-                self.slot.stop_signal = signal.SIGINT
-            self._stop_for_preemption()
-            self.journal.append(Event.SUPERVISOR_STOPPED, reason="signal")
-            log.info("stopped; the run resumes when `orchestrator run` is started again")
-            return EXIT_STOPPED
+            return self._stopped(exc)
         finally:
-            self.slot.end()
-            self.standby.discard("the supervisor stopped")
-            if observer.is_alive():
-                observer.stop()
-                observer.join(timeout=5)
-            if self.engine is not None:
-                self.engine.close()
-            self.checkpoints.mirror.stop()
-            self.run_dir.control.stop(self.spec.checkpoint.flush_timeout
-                                      if self.lock_lost is None else None)
-            self.console.stop()
+            self._close(observer)
             self.slot.restore_signal_handlers(old_handlers)
             self.run_dir.lock.release()
+
+    def run_loop(self) -> int:
+        """The loop alone, in this thread: no watcher, mirror, console thread or signal
+        handler, so every item on the queue is the engine's. What a test drives with a fake
+        engine (tests/fakes/engine.py) and a fake clock, in milliseconds."""
+        stale = self.run_dir.take()
+        try:
+            self._open_run(stale, self.run_dir.control.merge_on_start())
+            self.engine = self.engine or self._spec_engine()
+            return self._supervise()
+        except Stopped as exc:
+            return self._stopped(exc)
+        finally:
+            self._close(None)
+            self.run_dir.lock.release()
+
+    def _stopped(self, exc: BaseException) -> int:
+        """A stop (signal, interrupt, lost lock): the worker saves what it can, the run stays
+        resumable; or, the lock lost, another supervisor has it."""
+        if self.lock_lost is not None:
+            return self._stand_down()
+        if isinstance(exc, KeyboardInterrupt):
+            self.slot.stop_signal = signal.SIGINT
+        self._stop_for_preemption()
+        self.journal.append(Event.SUPERVISOR_STOPPED, reason="signal")
+        log.info("stopped; the run resumes when `orchestrator run` is started again")
+        return EXIT_STOPPED
+
+    def _close(self, observer: Observer | None) -> None:
+        """Whatever the end: the worker and the standby gone, the threads stopped, what is
+        held back flushed to the run directory (not when the lock is lost)."""
+        self.slot.end()
+        self.standby.discard("the supervisor stopped")
+        if observer is not None and observer.is_alive():
+            observer.stop()
+            observer.join(timeout=5)
+        if self.engine is not None:
+            self.engine.close()
+        self.checkpoints.mirror.stop()
+        self.run_dir.control.stop(self.spec.checkpoint.flush_timeout
+                                  if self.lock_lost is None else None)
+        self.console.stop()
 
     @property
     def stop_signal(self) -> int | None:
@@ -161,12 +193,12 @@ class Supervisor:
             raise Stopped()
         self.recovery.probe(attempt=n)
         env = self.recovery.attempt_env(consume=True)
-        if self.engine is not None:  # a group: every rank restores the same step
+        if self.group:  # every rank restores the same step
             env[ENV_RESTORE_STEP] = self._group_restore_step()
         attempt = self.slot.attempt = Attempt(
             n, self.commands.worker(self.spec, n), env, spec=self.spec, rd=self.rd,
             slot=self.slot, journal=self.journal, standby=self.standby,
-            engine=self.engine)
+            engine=self.engine, group=self.group)
         attempt.start(self.ledger.latest_epoch())  # the standby's process, or a cold start
         self.console.attempt_started(n, self.ledger.latest_epoch())
         outcome = attempt.wait(on_checkpoint=self.ledger.scan, on_commits=self.ledger.heard,
@@ -238,10 +270,8 @@ class Supervisor:
                      f"are in {self.checkpoints.store.local.root}")
 
     # ------------------------------------------------------------------ groups
-    def _group_engine(self):
-        """Who places the workers of a group; None for one local worker (the plain Attempt)."""
-        if self.spec.workers <= 1 and self.spec.engine == "local":
-            return None
+    def _spec_engine(self) -> Engine:
+        """Who runs the workers, as the spec says: Ray places them, or processes here."""
         if self.spec.engine == "ray":
             from orchestrator.supervise.rayengine import RayEngine
 
@@ -302,8 +332,22 @@ class Supervisor:
                             job=self.spec.job_path, epochs=self.spec.epochs, pid=os.getpid(),
                             host=socket.gethostname())
         self.ledger.scan()
+        self._durable_lost(events)
         log.info(f"{'resuming' if resumed else 'starting'} run '{self.spec.name}' in "
                  f"{self.rd.root} at epoch {self.ledger.latest_epoch()}/{self.spec.epochs}")
+
+    def _durable_lost(self, events: list[dict]) -> None:
+        """Say what a recycled runtime's cache took with it (checkpoint/lost.py)."""
+        if not self.checkpoints.settling.policy.writeback:
+            return  # a tier settled at fsync loses nothing to a cache
+        outer = Journal(os.path.join(self.rd.root, hosts.FILE)).events()
+        lost = durable_lost(events, outer, self.ledger.latest(),
+                            history(self.checkpoints.store.durable.root))
+        if lost:
+            self.journal.append(Event.DURABLE_LOST, **lost)
+            a, b = lost["steps"]
+            log.warning(f"steps {a}..{b} never reached {self.rd.checkpoints} (known from the "
+                        f"{lost['known_from']}): they are trained again from step {a - 1}")
 
     def _journal_ended(self, outcome: Outcome, error: dict | None, kind: str,
                        signature: str | None, layer: str | None) -> None:

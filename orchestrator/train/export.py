@@ -20,14 +20,13 @@ import os
 import shutil
 import sys
 import time
-import uuid
 
 from orchestrator.checkpoint import tiers
 from orchestrator.core import logs
 from orchestrator.core.events import Event
 from orchestrator.core.heartbeat import Phase
 from orchestrator.core.osutil import read_json, sha256_file, write_json_atomic
-from orchestrator.core.rundir import EXIT_CONFIG, RunDir
+from orchestrator.core.rundir import EXIT_CONFIG, RunDir, export_staging, export_trash
 from orchestrator.core.spec import SpecError
 from orchestrator.core.specload import load
 from orchestrator.train import backends, datasets, jobcode, state
@@ -103,7 +102,7 @@ def write(model, spec, checkpoint, out: str) -> dict:
         raise ExportError(f"{checkpoint.path}: the model's weights do not match the manifest's "
                           f"fingerprint; refusing to export them")
     final = os.path.abspath(out)
-    tmp = f"{final}.tmp-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    tmp = export_staging(final)
     os.makedirs(tmp)
     try:
         if not model.built and not _has_call(model) and all(
@@ -154,7 +153,7 @@ def write(model, spec, checkpoint, out: str) -> dict:
 def _into_place(tmp: str, final: str) -> None:
     """``tmp`` renamed to ``final``; an earlier export there is moved aside and removed."""
     if os.path.exists(final):
-        trash = f"{final}.trash-{uuid.uuid4().hex[:6]}"
+        trash = export_trash(final)
         os.rename(final, trash)
         shutil.rmtree(trash, ignore_errors=True)
     os.rename(tmp, final)

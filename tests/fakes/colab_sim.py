@@ -6,7 +6,8 @@ orchestrator/colab/replies.py for the list).
 
 State lives in ``$COLAB_SIM_HOME``:
 
-- ``drive/`` is Google Drive, shared by every runtime (``drive/MyDrive``);
+- ``drive/`` is Google Drive's cloud (``drive/MyDrive``): shared by every runtime, unless
+  ``control.json`` sets ``writeback`` (below);
 - ``runtimes/NAME/`` is runtime NAME's disk: what its processes see as ``/content``. Code
   run there (``exec``) runs in a mount namespace and a UTS namespace of its own (``unshare``;
   root is needed): that folder bind-mounted at ``/content``, Drive at ``/content/drive`` once
@@ -17,13 +18,19 @@ State lives in ``$COLAB_SIM_HOME``:
 - ``control.json`` is the test's hand: ``refuse`` (a list of ``capacity``, ``usage_limit``,
   ``too_many``, popped one per ``new``), ``login_expired`` (true: every verb that signs in
   fails as the real one does without a token), ``drive_consent`` (true: ``drivemount`` wants
-  a person);
+  a person), ``writeback`` (``{"quiet_s": Q, "bytes_per_s": B}``, read at ``drivemount``:
+  Drive's write-back cache, drive_writeback.py; absent or null: Drive shared directly);
+- ``caches/NAME/``, with write-back: runtime NAME's cache of Drive, its ``/content/drive``,
+  uploaded by its sync process; ``drive_sync/NAME.json`` that sync's state (the tests' eye);
 - ``calls.jsonl``: one line per call (verb, session, exit status), for the test to read.
 
 ``colab_sim.py _recycle NAME`` is what Colab does to a runtime at its time limit: every
 process of the runtime is SIGKILLed (found by a token in its environment that only this
-runtime's processes inherit) and its disk deleted; the backend forgets it, the CLI's local
-state still names it.
+runtime's processes inherit, its Drive sync among them) and its disk deleted, with its cache
+of Drive; the backend forgets it, the CLI's local state still names it.
+
+In a runtime's Python, ``google.colab.drive`` is importable (fakes/colab_runtime, put on its
+``PYTHONPATH``): ``mount`` and ``flush_and_unmount`` as Colab's, through ``_drive``.
 """
 from __future__ import annotations
 
@@ -38,12 +45,16 @@ import sys
 import time
 import uuid
 
+import drive_writeback as wb
+
 HOME = os.environ.get("COLAB_SIM_HOME", "")
 PYTHON = os.environ.get("COLAB_SIM_PYTHON", sys.executable)
 TOKEN_ENV = "COLAB_SIM_RUNTIME"
 # what a runtime's processes get of our environment: a runtime is another machine
 KEEP_ENV = ("PATH", "HOME", "LANG", "LC_ALL", "OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE",
             "OMP_NUM_THREADS", "TF_CPP_MIN_LOG_LEVEL")
+FAKES = os.path.dirname(os.path.abspath(__file__))
+RUNTIME_PYTHONPATH = os.path.join(FAKES, "colab_runtime")  # google.colab.drive, in runtimes only
 GPUS = {"a100": "A100", "h100": "H100", "l4": "L4", "t4": "T4", "g4": "G4"}
 
 
@@ -164,6 +175,7 @@ def destroy(name: str, meta: dict) -> int:
                 pass
         time.sleep(0.05)
     shutil.rmtree(runtime_dir(name), ignore_errors=True)
+    wb.mark_lost(HOME, name)
     return killed
 
 
@@ -174,7 +186,7 @@ def resolve(name: str, meta: dict, remote: str) -> str:
         raise FileNotFoundError(f"File or directory not found: {remote}")
     rest = rel[len("content"):].lstrip("/")
     if meta.get("mounted") and (rest == "drive" or rest.startswith("drive/")):
-        return os.path.join(path("drive"), rest[len("drive"):].lstrip("/"))
+        return os.path.join(drive_source(name, meta), rest[len("drive"):].lstrip("/"))
     return os.path.join(runtime_dir(name), rest)
 
 
@@ -272,7 +284,9 @@ def run_in_runtime(name: str, meta: dict, code: str, timeout: float) -> int:
     os.makedirs("/content", exist_ok=True)  # the mount point, empty, on this machine
     env = {k: v for k, v in os.environ.items() if k in KEEP_ENV}
     env.update({TOKEN_ENV: meta["token"], "TMPDIR": "/content/.tmp", "COLAB_SIM_HOME": HOME,
-                "COLAB_SIM_PYTHON": PYTHON})
+                "COLAB_SIM_PYTHON": PYTHON, "COLAB_SIM_SESSION": name,
+                "COLAB_SIM_SCRIPT": os.path.abspath(__file__),
+                "PYTHONPATH": RUNTIME_PYTHONPATH})
     p = subprocess.Popen(["unshare", "--mount", "--uts", "--propagation", "private", "--",
                           sys.executable, os.path.abspath(__file__), "_enter", name],
                          stdin=subprocess.PIPE, env=env, text=True)
@@ -297,7 +311,8 @@ def cmd_enter(args: list) -> int:
     subprocess.run(["mount", "--bind", disk, "/content"], check=True)
     if meta.get("mounted"):
         os.makedirs("/content/drive", exist_ok=True)
-        subprocess.run(["mount", "--bind", path("drive"), "/content/drive"], check=True)
+        subprocess.run(["mount", "--bind", drive_source(name, meta), "/content/drive"],
+                       check=True)
     socket.sethostname(name)
     os.chdir("/content")
     os.execve(PYTHON, [PYTHON, "-c", code], dict(os.environ))
@@ -336,11 +351,105 @@ def cmd_drivemount(args: list) -> int:
             sys.stdout.write("Press Enter after you have granted access... ")
             traceback("OSError: [Errno 6] No such device or address: '/dev/tty'")
             return 1
-        backend = load("backend.json")
-        backend[name]["mounted"] = True
-        save("backend.json", backend)
-    os.makedirs(path("drive", "MyDrive"), exist_ok=True)
+        try:
+            mount_drive(name)
+        except (ValueError, OSError) as exc:
+            traceback(f"{type(exc).__name__}: {exc}")
+            return 1
     out(f"Mounted at {where}")
+    return 0
+
+
+# ---------------------------------------------------------------------------- Drive
+def drive_source(name: str, meta: dict) -> str:
+    """What the runtime sees at /content/drive: its cache with write-back, else the cloud."""
+    return wb.cache_dir(HOME, name) if meta.get("writeback") else path("drive")
+
+
+def mount_drive(name: str) -> dict:
+    """Mount Drive for runtime NAME (under the lock): with write-back (control.json), its
+    cache made from the cloud and its sync process started, once per mount."""
+    backend = load("backend.json")
+    meta = backend[name]
+    if meta.get("mounted"):
+        return meta
+    settings = wb.settings(load("control.json"), path("control.json"))
+    os.makedirs(path("drive", "MyDrive"), exist_ok=True)
+    meta.update(mounted=True, writeback=settings)
+    if settings:
+        wb.make_cache(HOME, name)
+        start_sync(name, meta, settings)
+    save("backend.json", backend)
+    return meta
+
+
+def start_sync(name: str, meta: dict, settings: dict) -> None:
+    """The runtime's Drive sync: a process of the runtime (its token), started detached; back
+    once it has taken stock of the cache (before that, a write could go unseen)."""
+    env = {k: v for k, v in os.environ.items() if k in KEEP_ENV}
+    env.update({TOKEN_ENV: meta["token"], "COLAB_SIM_HOME": HOME})
+    with open(path("drive_sync", f"{name}.log"), "ab") as log:
+        subprocess.Popen([sys.executable, os.path.abspath(__file__), "_sync", name,
+                          repr(settings["quiet_s"]), repr(settings["bytes_per_s"])],
+                         env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                         start_new_session=True)
+    deadline = time.time() + 30
+    while wb.read_state(HOME, name) is None:
+        if time.time() > deadline:
+            raise OSError(f"the Drive sync of {name} did not start (drive_sync/{name}.log)")
+        time.sleep(0.05)
+
+
+def cmd_sync(args: list) -> int:
+    """Not a CLI verb: the runtime's Drive sync process (drive_writeback.Sync)."""
+    name, quiet_s, bytes_per_s = args[0], float(args[1]), float(args[2])
+    sync = wb.Sync(HOME, name, quiet_s, bytes_per_s)
+    sync.write_state(time.monotonic())
+    return sync.run()
+
+
+def cmd_drive(args: list) -> int:
+    """Not a CLI verb: google.colab.drive's side in the simulator, run from inside runtime
+    NAME. ``mount NAME``: mount Drive (as ``drivemount``) and print what to bind at the
+    mount point. ``flush NAME TIMEOUT_S``: upload everything pending (at the bandwidth, the
+    sync's own way), stop the sync and unmount; exit 1 if that took longer than TIMEOUT_S."""
+    what, name = args[0], args[1]
+    with Locked():
+        if name not in load("backend.json"):
+            err(f"colab_sim: no runtime {name}")
+            return 1
+        if what == "mount":
+            try:
+                meta = mount_drive(name)
+            except (ValueError, OSError) as exc:
+                err(f"colab_sim: {exc}")
+                return 1
+            out(drive_source(name, meta))
+            return 0
+        meta = load("backend.json")[name]
+    if meta.get("writeback") and meta.get("mounted"):
+        rid = uuid.uuid4().hex
+        request = wb.flush_request_path(HOME, name)
+        with open(request + ".tmp", "w") as f:
+            f.write(rid)
+        os.replace(request + ".tmp", request)
+        deadline = time.time() + float(args[2])
+        while (wb.read_state(HOME, name) or {}).get("flushed") != rid:
+            state = wb.read_state(HOME, name) or {}
+            if time.time() > deadline or not state.get("alive"):
+                if os.path.exists(request):  # called off: the sync goes on as before
+                    os.remove(request)
+                time.sleep(2 * wb.TICK_S)
+                if (wb.read_state(HOME, name) or {}).get("flushed") == rid:
+                    break
+                err(f"colab_sim: the flush of {name} did not end in {args[2]} s: {state}")
+                return 1
+            time.sleep(0.05)
+    with Locked():
+        backend = load("backend.json")
+        if name in backend:
+            backend[name]["mounted"] = False
+            save("backend.json", backend)
     return 0
 
 
@@ -448,7 +557,8 @@ def cmd_recycle(args: list) -> int:
 
 VERBS = {"new": cmd_new, "status": cmd_status, "exec": cmd_exec, "drivemount": cmd_drivemount,
          "install": cmd_install, "upload": cmd_upload, "download": cmd_download,
-         "stop": cmd_stop, "_recycle": cmd_recycle, "_enter": cmd_enter}
+         "stop": cmd_stop, "_recycle": cmd_recycle, "_enter": cmd_enter, "_sync": cmd_sync,
+         "_drive": cmd_drive}
 
 
 def main(argv: list) -> int:
@@ -464,7 +574,7 @@ def main(argv: list) -> int:
         return 2
     verb, rest = args[0], args[1:]
     rc = VERBS[verb](rest)
-    if verb != "_enter":
+    if verb not in ("_enter", "_sync", "_drive"):
         with open(path("calls.jsonl"), "a") as f:
             f.write(json.dumps({"ts": round(time.time(), 3), "verb": verb,
                                 "session": option(rest, "-s", "--session")

@@ -42,7 +42,7 @@ from orchestrator.recovery.faults import Injector
 from orchestrator.core.heartbeat import HeartbeatWriter, Position, register_stack_dump
 from orchestrator.core.journal import Journal
 from orchestrator.core.osutil import write_atomic, write_json_atomic
-from orchestrator.core.rundir import RunDir
+from orchestrator.core.rundir import RunDir, export_staging
 from orchestrator.core.specload import load
 from orchestrator.train.outcome import write_error_record
 
@@ -210,6 +210,9 @@ def train(spec, rd, attempt, plan, progress):
                      keep=spec.checkpoint.keep, arrays=weights)
         if early:
             break
+    if n in plan.get("killed_exporting", []):  # the real export's first step, then SIGKILL
+        os.makedirs(export_staging(rd.export))
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 if __name__ == "__main__":

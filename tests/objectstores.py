@@ -1,0 +1,144 @@
+"""Real object-store servers on loopback for the integration tier: ``gcp-storage-emulator`` (the
+GCS JSON API, a process of its own, objects kept on disk so a test can change their bytes behind
+the server's back) and moto's server (S3, ``ThreadedMotoServer`` in this process: its backend
+is this process's memory, so it keeps its buckets across a stop and a start, and a test can
+change an object's bytes without the server recomputing its ETag).
+
+Each server is on 127.0.0.1 at a free port; ``env()`` is what a client (this process or a
+supervisor started by a test) needs to reach it through the libraries' own settings.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+from orchestrator.supervise.group import free_port
+
+BUCKET = "ckpt"
+
+
+def _wait_answering(url: str, timeout: float = 30.0, proc: subprocess.Popen | None = None):
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            urllib.request.urlopen(url, timeout=2).close()
+            return
+        except urllib.error.HTTPError:
+            return  # an HTTP answer, whatever its status, is a server answering
+        except OSError:
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"the server exited with {proc.returncode} before answering")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{url} did not answer in {timeout} s") from None
+            time.sleep(0.1)
+
+
+class GcsEmulator:
+    """``gcp-storage-emulator`` as a process we started (stopped by its own Popen handle)."""
+
+    scheme = "gs"
+
+    def __init__(self, data_dir: str):
+        self.data_dir, self.port, self.proc = data_dir, free_port(), None
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> "GcsEmulator":
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "gcp_storage_emulator", "-d", self.data_dir, "start",
+             "--host", "127.0.0.1", "--port", str(self.port), "--default-bucket", BUCKET, "-q"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        _wait_answering(f"{self.endpoint}/storage/v1/b", proc=self.proc)
+        return self
+
+    def close(self) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+    def env(self) -> dict:
+        """The emulator's address, no credentials, and gcsfs's plain client: its default one
+        first asks the bucket's layout over gRPC, which the emulator does not serve (a 60 s
+        timeout per call); read when gcsfs is first imported."""
+        return {"STORAGE_EMULATOR_HOST": self.endpoint, "FSSPEC_GCS_TOKEN": "anon",
+                "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
+
+    def options(self) -> dict:
+        return {"token": "anon", "endpoint_url": self.endpoint}
+
+    def object_file(self, name: str) -> str:
+        """Where the emulator keeps an object's bytes on disk."""
+        return os.path.join(self.data_dir, ".cloudstorage", BUCKET, name)
+
+    def overwrite_stored(self, name: str, data: bytes) -> None:
+        with open(self.object_file(name), "wb") as f:
+            f.write(data)
+
+
+class MotoS3:
+    """moto's S3 server in this process, with one bucket."""
+
+    scheme = "s3"
+    CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                   "AWS_DEFAULT_REGION": "us-east-1"}
+
+    def __init__(self):
+        self.port, self.server = free_port(), None
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> "MotoS3":
+        from moto.server import ThreadedMotoServer
+
+        self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
+        self.server.start()
+        _wait_answering(f"{self.endpoint}/moto-api/")
+        return self
+
+    def create_bucket(self) -> None:
+        import boto3
+
+        boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id="testing",
+                     aws_secret_access_key="testing",
+                     region_name="us-east-1").create_bucket(Bucket=BUCKET)
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+        self.server = None
+
+    def close(self) -> None:
+        """Stop, and forget every bucket: moto's backend is this process's, and the next
+        test's server must start empty."""
+        urllib.request.urlopen(urllib.request.Request(f"{self.endpoint}/moto-api/reset",
+                                                      method="POST"), timeout=10).close()
+        self.stop()
+
+    def env(self) -> dict:
+        return {"AWS_ENDPOINT_URL": self.endpoint, "FSSPEC_S3_ENDPOINT_URL": self.endpoint,
+                **self.CREDENTIALS}
+
+    def options(self) -> dict:
+        return {"endpoint_url": self.endpoint, "key": "testing", "secret": "testing"}
+
+    def overwrite_stored(self, name: str, data: bytes) -> None:
+        """Change the bytes moto holds for an object and leave its ETag as it was."""
+        from moto.core import DEFAULT_ACCOUNT_ID
+        from moto.s3.models import s3_backends
+
+        key = s3_backends[DEFAULT_ACCOUNT_ID]["aws"].buckets[BUCKET].keys[name]
+        etag = key.etag
+        key._value_buffer.seek(0)
+        key._value_buffer.truncate()
+        key._value_buffer.write(data)
+        key._etag = etag.strip('"')

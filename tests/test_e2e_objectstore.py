@@ -1,0 +1,98 @@
+"""The digits job with its durable tier in a bucket (``checkpoint.durable: gs://...`` on the GCS
+emulator, ``s3://`` on moto), killed three times, the last time with its machine: the local
+tier is gone and the run resumes from the bucket, ending with the weights of its uninterrupted
+run."""
+import os
+import shutil
+import signal
+import time
+
+import pytest
+
+from helpers import ONE_BACKEND, live
+from objectstores import BUCKET, GcsEmulator, MotoS3
+from orchestrator.core.journal import Journal
+from orchestrator.core.osutil import pid_alive
+from test_e2e import (DIGITS_JOB, _completed, _start, _wait_for, _wait_heartbeat,  # noqa: F401
+                      digits_reference, write_job_files)
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(params=["gs", "s3"])
+def bucket_server(request, tmp_path):
+    if request.param == "gs":
+        srv = GcsEmulator(str(tmp_path / "gcs")).start()
+    else:
+        srv = MotoS3().start()
+        srv.create_bucket()
+    yield srv
+    srv.close()
+
+
+def _wait_durable(journal, after_step, timeout=120):
+    """The first ``checkpoint_durable`` of a step past ``after_step`` (the mirror's events
+    carry no attempt)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        for e in journal.iter("checkpoint_durable"):
+            if e["step"] > after_step:
+                return e
+        time.sleep(0.05)
+    raise AssertionError(f"no durable copy past step {after_step} within {timeout} s")
+
+
+@ONE_BACKEND
+def test_a_run_on_a_bucket_killed_three_times_resumes_bit_exactly(bucket_server, backend,
+                                                                   digits_reference, tmp_path):
+    write_job_files(tmp_path)
+    url, local = f"{bucket_server.scheme}://{BUCKET}/digits", tmp_path / "local"
+    job = tmp_path / "job.yaml"
+    job.write_text(DIGITS_JOB.replace(
+        "checkpoint: {every_epochs: 1, every_steps: 10, keep: 2}",
+        f"checkpoint: {{every_epochs: 1, every_steps: 10, keep: 2, durable: '{url}', "
+        f"local_dir: '{local}'}}") + f"backend: {backend}\nstandby: off\n")
+    env = {**os.environ, **bucket_server.env()}
+    run = tmp_path / "run"
+    ctl = live(str(job), run)
+    journal = Journal(ctl.journal)
+    sup = _start(str(job), run, env=env)
+
+    # 1. mid-epoch, once a copy is in the bucket
+    pid = _wait_for(journal, "attempt_started", 1)["pid"]
+    first = _wait_durable(journal, 0)
+    _wait_heartbeat(ctl.control, 1, lambda h: h.get("step", 0) >= first["step"] + 5)
+    os.kill(pid, signal.SIGKILL)
+
+    # 2. between epochs
+    pid = _wait_for(journal, "attempt_started", 2)["pid"]
+    ready = _wait_for(journal, "worker_ready", 2)
+    _wait_heartbeat(ctl.control, 2, lambda h: h.get("phase") == "epoch_end"
+                    and h["epoch"] > ready["resumed_from_epoch"])
+    os.kill(pid, signal.SIGKILL)
+
+    # 3. the machine goes: supervisor and worker killed, the local tier lost with it
+    pid = _wait_for(journal, "attempt_started", 3)["pid"]
+    ready = _wait_for(journal, "worker_ready", 3)
+    durable = _wait_durable(journal, ready["resumed_from_step"])
+    sup.send_signal(signal.SIGKILL)
+    os.kill(pid, signal.SIGKILL)
+    sup.wait()
+    while pid_alive(pid):
+        time.sleep(0.01)
+    shutil.rmtree(local)
+    again = _start(str(job), run, env=env)
+    out, _ = again.communicate(timeout=300)
+    assert again.returncode == 0, out
+
+    events = journal.events()
+    resumed = {e["attempt"]: e["resumed_from_step"] for e in events
+               if e["event"] == "worker_ready"}
+    copies = [e for e in events if e["event"] == "checkpoint_durable"]
+    assert copies and all(e["path"].startswith(f"{url}/") for e in copies)
+    # the last resume read the bucket: nothing was left locally
+    assert resumed[4] >= durable["step"] > 0, (resumed, durable)
+    assert not [e for e in events if e["event"] == "resume_not_exact"]
+    ref = digits_reference["events"]
+    assert _completed(events)["weights_sha256"] == _completed(ref)["weights_sha256"]
+    assert _completed(events)["state_sha256"] == _completed(ref)["state_sha256"]
