@@ -172,9 +172,8 @@ def test_an_adopted_standby_whose_warm_up_then_fails_fails_as_the_attempt_with_i
     through the attempt's ``guarded`` (error record, exit status the supervisor classifies),
     not a standby's silent exit 1."""
     import io
-    from types import SimpleNamespace
 
-    from orchestrator.train import standby
+    from orchestrator.train import attempt, outcome, standby
 
     monkeypatch.setattr(standby, "lower_priority", lambda: 0)
     monkeypatch.setattr(standby, "restore_priority", lambda before: None)
@@ -191,6 +190,7 @@ def test_an_adopted_standby_whose_warm_up_then_fails_fails_as_the_attempt_with_i
         guarded.append((attempt, str(raised.value)))
         return 1
 
-    steps = SimpleNamespace(configure=configure, prepare=None, run=None, guarded=record)
-    rc = standby.serve(None, None, 3, WARM, None, time.time(), steps)
+    monkeypatch.setattr(attempt, "configure", configure)
+    monkeypatch.setattr(outcome, "guarded", record)
+    rc = standby.serve(None, None, 3, WARM, None, time.time())
     assert rc == 1 and guarded == [(4, "the framework's import failed")]

@@ -280,7 +280,7 @@ def test_a_job_asking_for_tensorboard_without_it_fails_before_the_framework_is_i
     TensorFlow or JAX import."""
     from types import SimpleNamespace
 
-    from orchestrator.train import jobcheck, jobcode, worker
+    from orchestrator.train import attempt, jobcheck, jobcode
     from orchestrator.train.jobcode import JobError
 
     def imported(*a, **kw):
@@ -290,6 +290,6 @@ def test_a_job_asking_for_tensorboard_without_it_fails_before_the_framework_is_i
     monkeypatch.setattr(jobcode, "import_framework", imported)
     spec = SimpleNamespace(tensorboard=SimpleNamespace(dir="tb"), backend="tensorflow",
                            standby="off")
-    for check in (lambda: worker.configure(spec, 0.0), lambda: jobcheck.check(spec)):
+    for check in (lambda: attempt.configure(spec, 0.0), lambda: jobcheck.check(spec)):
         with pytest.raises(JobError, match="key 'tensorboard'"):
             check()

@@ -30,7 +30,7 @@ import json, sys, threading, time
 from orchestrator.core import logs
 from orchestrator.core.rundir import RunDir
 from orchestrator.core.specload import load
-from orchestrator.train import standby
+from orchestrator.train import promotion, standby
 from orchestrator.train.preemption import PreemptionNotice
 
 def report(stream):
@@ -45,17 +45,13 @@ def report(stream):
         "libtpu_loaded": "libtpu" in maps}), flush=True)
     return None
 
-standby.wait_for_promotion = lambda stream: threading.Event().wait()  # no line comes
+promotion.wait_for_promotion = lambda stream: threading.Event().wait()  # no line comes
 standby.Promotion.wait = lambda self: report(None)  # where it waits for the line
 standby.lower_priority = lambda: 0
 logs.configure()  # as the worker's main does: its [standby] lines on stdout
 spec = load(sys.argv[1], run_dir=sys.argv[2], backend="jax")
-from types import SimpleNamespace
-from orchestrator.train import worker
-steps = SimpleNamespace(configure=worker.configure, guarded=worker.guarded,
-                        prepare=worker.prepare, run=worker.run)
 sys.exit(standby.serve(spec, RunDir.for_spec(spec).make(), 2, "import_only",
-                       PreemptionNotice(), time.time(), steps))
+                       PreemptionNotice(), time.time()))
 """
 
 

@@ -19,15 +19,7 @@ from orchestrator.checkpoint.store import CheckpointStore
 from orchestrator.checkpoint.writer import CheckpointWriter
 from orchestrator.core.heartbeat import HeartbeatWriter, Phase, Position
 from orchestrator.core.spec import CheckpointSpec
-
-
-def get_learning_rate(optimizer) -> float | None:
-    """The current rate through the public property (wrappers such as LossScaleOptimizer
-    forward it to the optimizer they wrap); None for a model compiled without an optimizer (a
-    custom ``train_step`` with optimizers of its own)."""
-    if optimizer is None:
-        return None
-    return float(keras.ops.convert_to_numpy(optimizer.learning_rate))
+from orchestrator.train.schedules import get_learning_rate
 
 
 class OneTraining(keras.callbacks.Callback):
@@ -276,7 +268,7 @@ class CheckpointCallback(keras.callbacks.Callback):
         super().__init__()
         self.chief, self.on_commit = chief, on_commit
         self.store, self.ckpt, self.progress = store, ckpt, progress
-        self.spe, self.last_epoch = steps_per_epoch, last_epoch
+        self.steps_per_epoch, self.last_epoch = steps_per_epoch, last_epoch
         self.history = list(history)
         self.base_manifest, self.states = base_manifest, states
         self.notice = notice  # preemption.PreemptionNotice: SIGTERM -> commit now, then stop
@@ -323,7 +315,7 @@ class CheckpointCallback(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         self.writer.check()  # a failed background write stops training here, not silently
-        if self.progress.batch >= self.spe:
+        if self.progress.batch >= self.steps_per_epoch:
             return  # the epoch's last batch: its end commits (after validation and callbacks)
         metrics = {k: float(v) for k, v in (logs or {}).items()}
         if not self._preempted() and self._due():

@@ -1,18 +1,11 @@
 """JAX's persistent compile cache, kept in the local tier and mirrored to the run directory.
 
-Compiling is most of a JAX worker's cold start: measured on 2 CPU cores, the digits job
-reached its first step in 11-17 s without a cache and 5 s with a warm one (ResNet-20: 22-28 s
-and 4.4-5.8 s). Without the cache a standby was never ready before a kill 20 s apart. So every
-JAX worker compiles into ``<local tier>/../jax-cache`` (the fast local disk), and its new
-entries are copied to ``<run_dir>/jax-cache`` (a Drive folder on Colab) in the background
-after the first step and each epoch end: a recovery on this VM starts warm from the local
-copy, and a recycled VM, whose local disk is new, first pulls the run directory's copy.
-
-Entries are files named by a hash of everything that decides the executable (the computation,
-jax/jaxlib versions, the device), written once and never changed: a copy is a plain file copy
-under a temporary name renamed into place, and a stale entry is only a miss. A copy that fails
-(the run directory gone for a while) is said once and tried again at the next push; it never
-stops training.
+Every JAX worker compiles into ``<local tier>/../jax-cache`` and copies its new entries to
+``<run_dir>/jax-cache`` in the background after the first step and each epoch end: a recovery
+on this VM starts warm, and a recycled VM first pulls the run directory's copy. Entries are
+written once and never changed (a copy is a rename into place; a stale entry is only a miss).
+A failed copy is said once and tried again at the next push; it never stops training. Why
+(compiling is most of a JAX cold start): BENCHMARKS.md, "5.4 The compile cache".
 """
 from __future__ import annotations
 

@@ -10,21 +10,21 @@ makes (a ``keras.utils.PyDataset``, a generator function of the epoch) is ``epoc
 from __future__ import annotations
 
 import functools
-import math
 import sys
 from dataclasses import dataclass
 
 import numpy as np
+
+from orchestrator.train import epochdata
+# leaves, unpack and DataError are re-exported: datasets.X for the backends and the tests
+from orchestrator.train.batches import leaves, steps_per_epoch, unpack  # noqa: F401
+from orchestrator.train.errors import DataError  # noqa: F401
 
 
 # The keys of the dict a data factory may return; the last two only with a PyDataset or a
 # generator function as 'train' (epochdata.py).
 EPOCH_DATA_KEYS = ("steps_per_epoch", "shuffle")
 DATA_KEYS = {"train", "validation", *EPOCH_DATA_KEYS}
-
-
-class DataError(Exception):
-    """The data factory returned something this tool cannot train on."""
 
 
 @dataclass
@@ -45,15 +45,6 @@ def is_tf_dataset(obj) -> bool:
     return tf is not None and isinstance(obj, tf.data.Dataset)
 
 
-def leaves(part) -> list:
-    """The arrays of a part, in order (dicts by their insertion order)."""
-    if isinstance(part, dict):
-        return [a for v in part.values() for a in leaves(v)]
-    if isinstance(part, (tuple, list)):
-        return [a for v in part for a in leaves(v)]
-    return [part]
-
-
 def map_part(fn, part):
     """``part`` with ``fn`` applied to each of its arrays, its structure kept (lists become
     tuples: tf.data would stack a list of arrays into one tensor)."""
@@ -64,21 +55,8 @@ def map_part(fn, part):
     return fn(part)
 
 
-def unpack(batch) -> tuple:
-    """(x, y, sample_weight) of a batch, by the rule Keras's ``fit`` applies to one
-    (``unpack_x_y_sample_weight``): a tuple of 1, 2 or 3 is (x), (x, y), (x, y, sw); anything
-    else is x alone."""
-    if isinstance(batch, list):
-        batch = tuple(batch)
-    if not isinstance(batch, tuple):
-        return batch, None, None
-    return tuple(batch) + (None,) * (3 - len(batch))
-
-
 def _part(part, name: str, where: str):
     """One of train / validation as arrays, checked: every array has the same number of rows."""
-    from orchestrator.train import epochdata
-
     if part is None or is_tf_dataset(part) or epochdata.is_pydataset(part):
         return part
     if epochdata.is_generator_like(part):
@@ -111,8 +89,6 @@ def normalise(result, where: str) -> JobData:
     ``fit`` takes: x, (x,), (x, y) or (x, y, sample_weight), where x, y and the weights may be
     dicts or tuples of arrays (several inputs or outputs); a tuple of inputs with no labels is
     written ((x1, x2),)."""
-    from orchestrator.train import epochdata
-
     own = {}  # the data dict's keys for a PyDataset or a generator function
     if isinstance(result, dict):
         unknown = set(result) - DATA_KEYS
@@ -159,19 +135,9 @@ def batching(data: JobData, global_batch: int, drop_remainder: bool, replicas: i
     """(global batch, steps per epoch) of ``data``: ``batch_size`` x replicas over its examples,
     or, for a PyDataset or a generator function, its own batch and steps (``EpochData.fixed``,
     which refuses several replicas or workers)."""
-    from orchestrator.train import epochdata
-
     if isinstance(data.train, epochdata.EpochData):
         return data.train.fixed(replicas, in_group)
     return global_batch, steps_per_epoch(data.num_examples, global_batch, drop_remainder)
-
-
-def steps_per_epoch(num_examples: int, global_batch: int, drop_remainder: bool) -> int:
-    steps = num_examples // global_batch if drop_remainder else math.ceil(num_examples / global_batch)
-    if steps == 0:
-        raise DataError(f"{num_examples} training examples are fewer than one global batch of "
-                        f"{global_batch}: lower batch_size")
-    return steps
 
 
 def train_dataset(data: JobData, seed: int, start_epoch: int, end_epoch: int, global_batch: int,
@@ -179,8 +145,6 @@ def train_dataset(data: JobData, seed: int, start_epoch: int, end_epoch: int, gl
     """Batches for epochs ``start_epoch .. end_epoch-1``, each in its own (seed, epoch) order,
     less the first ``skip_batches`` of ``start_epoch``. A PyDataset's or a generator
     function's are a Python generator (Keras's fit takes one on either backend)."""
-    from orchestrator.train import epochdata
-
     if isinstance(data.train, epochdata.EpochData):
         return data.train.batches(seed, start_epoch, end_epoch, skip_batches)
     import tensorflow as tf
@@ -229,8 +193,6 @@ def _in_memory(ds):
 
 
 def validation_dataset(data: JobData, global_batch: int, drop_remainder: bool):
-    from orchestrator.train import epochdata
-
     if data.validation is None or epochdata.is_pydataset(data.validation):
         return data.validation  # a PyDataset: Keras's evaluate reads it in index order
     import tensorflow as tf
@@ -245,8 +207,6 @@ def sample_batch(data: JobData, size: int):
     """A few training examples in the structure of a training batch (``unpack`` gives x, y,
     sample_weight), to build the model's and the metrics' variables before training (a
     checkpoint can only be restored into variables that exist)."""
-    from orchestrator.train import epochdata
-
     if is_tf_dataset(data.train):
         return next(iter(data.train.batch(size)))
     if isinstance(data.train, epochdata.EpochData):

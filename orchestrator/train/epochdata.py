@@ -35,6 +35,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from orchestrator.train.batches import leaves, unpack
+from orchestrator.train.errors import DataError
+
 PYDATASET = "PyDataset"
 GENERATOR = "generator function"
 
@@ -75,15 +78,11 @@ class EpochData:
 
     @property
     def rows(self) -> int:
-        from orchestrator.train.datasets import leaves
-
         return len(np.asarray(leaves(self.first)[0]))
 
     def fixed(self, replicas: int, in_group: bool) -> tuple[int, int]:
         """(global batch, steps per epoch): the job's batch, not ``batch_size`` x replicas (a
         halved ``batch_size`` changes nothing here); one replica in one process only."""
-        from orchestrator.train.datasets import DataError
-
         if replicas > 1 or in_group:
             raise DataError(
                 f"{self.where}: a {self.kind} trains on one device in one process; this "
@@ -123,8 +122,6 @@ class EpochData:
             yield as_tuple(batch)
 
     def _generator_epoch(self, epoch: int, start: int):
-        from orchestrator.train.datasets import DataError
-
         it = iter(self.source(epoch))
         for k in range(self.steps):
             batch = next(it, _END)
@@ -177,8 +174,6 @@ def _read(ds, order):
 
 
 def _same(a, b) -> bool:
-    from orchestrator.train.datasets import leaves
-
     la, lb = leaves(a), leaves(b)
     return len(la) == len(lb) and all(
         np.asarray(x).shape == np.asarray(y).shape and np.asarray(x).dtype == np.asarray(y).dtype
@@ -189,8 +184,6 @@ def make(train, steps_per_epoch, shuffle, where: str) -> EpochData:
     """``train`` (a PyDataset or a generator function) checked against the rule, or a
     ``DataError`` naming the job file, the key and what was expected. ``steps_per_epoch`` and
     ``shuffle`` are the data dict's (None: not given)."""
-    from orchestrator.train.datasets import DataError
-
     if steps_per_epoch is not None and (not isinstance(steps_per_epoch, int)
                                         or isinstance(steps_per_epoch, bool)
                                         or steps_per_epoch < 1):
@@ -228,8 +221,6 @@ def make(train, steps_per_epoch, shuffle, where: str) -> EpochData:
 
 
 def _first(fn, epoch: int, where: str):
-    from orchestrator.train.datasets import DataError
-
     batch = next(iter(fn(epoch)), _END)
     if batch is _END:
         raise DataError(f"{where}: {_name(fn)}({epoch}) yielded no batch")
@@ -237,8 +228,6 @@ def _first(fn, epoch: int, where: str):
 
 
 def _pydataset(ds, steps_per_epoch, shuffle, where: str) -> EpochData:
-    from orchestrator.train.datasets import DataError
-
     cls = type(ds).__name__
     if getattr(ds, "use_multiprocessing", False):
         raise DataError(f"{where}: {cls} asks for use_multiprocessing=True: its copies in other "
@@ -276,8 +265,6 @@ def _pydataset(ds, steps_per_epoch, shuffle, where: str) -> EpochData:
 
 
 def _check_again(data: EpochData, firsts: list, what: str) -> None:
-    from orchestrator.train.datasets import DataError, unpack
-
     if not isinstance(firsts[0], tuple) or not 1 <= len(firsts[0]) <= 3:
         raise DataError(f"{data.where}: {what} is a tuple of {len(firsts[0])} items: a batch "
                         f"is x, (x,), (x, y) or (x, y, sample_weight)")

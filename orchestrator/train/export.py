@@ -23,12 +23,14 @@ import time
 
 from orchestrator.checkpoint import tiers
 from orchestrator.core import logs
+from orchestrator.core.events import Event
+from orchestrator.core.heartbeat import Phase
 from orchestrator.core.osutil import read_json, sha256_file, write_json_atomic
 from orchestrator.core.rundir import EXIT_CONFIG, RunDir, export_staging, export_trash
 from orchestrator.core.spec import SpecError
 from orchestrator.core.specload import load
-from orchestrator.train import jobcode
-from orchestrator.train.jobcode import JobError
+from orchestrator.train import backends, datasets, jobcode, state
+from orchestrator.train.errors import JobError
 
 log = logging.getLogger("orchestrator.train.export")  # its name as __main__ too (python -m)
 
@@ -38,19 +40,17 @@ class ExportError(Exception):
 
 
 def export(run_dir: str, out: str | None = None) -> dict:
-    rd = RunDir(os.path.abspath(run_dir))
-    info = read_json(rd.run_info)
+    layout = RunDir(os.path.abspath(run_dir))
+    info = read_json(layout.run_info)
     if not info:
-        raise ExportError(f"{rd.root}: not a run directory (no run.json)")
-    spec = load(rd.job_copy, run_dir=rd.root, backend=info.get("backend"))
+        raise ExportError(f"{layout.root}: not a run directory (no run.json)")
+    spec = load(layout.job_copy, run_dir=layout.root, backend=info.get("backend"))
     spec = dataclasses.replace(spec, job_dir=os.path.dirname(info.get("job_path")
-                                                             or rd.job_copy))
+                                                             or layout.job_copy))
     latest = tiers.for_spec(spec).latest_valid(
         on_skip=lambda c, why: log.info(f"skipped {c.path}: {why}"))
     if latest is None:
-        raise ExportError(f"{rd.root}: no checkpoint verifies; nothing to export")
-
-    from orchestrator.train import datasets, state
+        raise ExportError(f"{layout.root}: no checkpoint verifies; nothing to export")
 
     jobcode.import_framework(spec)
     model = jobcode.resolve(spec, spec.model, "model")()
@@ -61,19 +61,16 @@ def export(run_dir: str, out: str | None = None) -> dict:
     if model.optimizer is not None:
         model.optimizer.build(model.trainable_variables)
     state.restore(model, state.load_arrays(latest), latest.manifest.get("holders"))
-    return write(model, spec, latest, out or rd.export)
+    return write(model, spec, latest, out or layout.export)
 
 
-def at_end(spec, rd: RunDir, store, model, journal, heart, attempt,
+def at_end(spec, layout: RunDir, store, model, journal, heart, attempt,
                    injector) -> None:
     """Export the model just trained when the run is complete, saving the exporter process's
     TensorFlow import and model build (seconds, at the end of every run). Only for a model
     trained on the CPU with no distribution strategy, which is what the exporter process would
     build; otherwise (TPU, GPU, replicas), and when this fails, the supervisor runs the
     exporter process (it sees no export of the final weights)."""
-    from orchestrator.core.events import Event
-    from orchestrator.core.heartbeat import Phase
-
     final = store.latest_valid()
     if final is None or not final.ends_run(spec.epochs):
         return
@@ -81,13 +78,13 @@ def at_end(spec, rd: RunDir, store, model, journal, heart, attempt,
     t0 = time.time()
     try:
         with heart.beating(phase=Phase.EXPORTING, epoch=final.epoch, step=final.step):
-            write(model, spec, final, rd.export)
+            write(model, spec, final, layout.export)
     except Exception as exc:  # noqa: BLE001 - the run is done; the supervisor's exporter retries
         log.info(f"export failed, the supervisor will retry it in its own process: "
                  f"{type(exc).__name__}: {exc}", extra={"tag": "worker"})  # the worker's line
         journal.append(Event.EXPORT_FAILED, source="worker", attempt=attempt, error=str(exc))
         return
-    journal.append(Event.EXPORTED, source="worker", attempt=attempt, path=rd.export,
+    journal.append(Event.EXPORTED, source="worker", attempt=attempt, path=layout.export,
                    step=final.step, seconds=round(time.time() - t0, 3))
 
 
@@ -99,8 +96,6 @@ def write(model, spec, checkpoint, out: str) -> dict:
     the model it trained, which saves the separate process's TensorFlow import and model build.
     """
     import keras
-
-    from orchestrator.train import state
 
     fp = state.fingerprint(model)
     if checkpoint.manifest.get("weights_sha256") not in (None, fp):
@@ -117,8 +112,6 @@ def write(model, spec, checkpoint, out: str) -> dict:
             model.built = True
         model.save_weights(os.path.join(tmp, "model.weights.h5"))
         files = ["model.weights.h5"]
-        from orchestrator.train import backends
-
         why_not = backends.current().can_export_saved_model()
         keras_file = _NO_CALL
         if _callable(model):
@@ -150,15 +143,20 @@ def write(model, spec, checkpoint, out: str) -> dict:
             "files": {n: {"sha256": sha256_file(os.path.join(tmp, n))} for n in sorted(files)},
         }
         write_json_atomic(os.path.join(tmp, "export.json"), facts)
-        if os.path.exists(final):
-            trash = export_trash(final)
-            os.rename(final, trash)
-            shutil.rmtree(trash, ignore_errors=True)
-        os.rename(tmp, final)
+        _into_place(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return dict(facts, path=final)
+
+
+def _into_place(tmp: str, final: str) -> None:
+    """``tmp`` renamed to ``final``; an earlier export there is moved aside and removed."""
+    if os.path.exists(final):
+        trash = export_trash(final)
+        os.rename(final, trash)
+        shutil.rmtree(trash, ignore_errors=True)
+    os.rename(tmp, final)
 
 
 _NO_CALL = ("the model defines no call() (a GAN or VAE driven by its own train_step): only its "

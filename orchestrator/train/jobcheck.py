@@ -24,14 +24,14 @@ from orchestrator.core.osutil import write_json_atomic
 from orchestrator.core.rundir import EXIT_CONFIG
 from orchestrator.core.spec import SpecError
 from orchestrator.core.specload import load
-from orchestrator.train import jobcode
-from orchestrator.train.jobcode import JobError
+from orchestrator.train import holders, jobcode
+from orchestrator.train.errors import JobError
 
 
 def check(spec) -> str:
     """Every job-code check in the worker's order; returns what was built, in words."""
     if spec.tensorboard:  # before the framework's import, as the worker does
-        from orchestrator.train import tensorboard
+        from orchestrator.train import tensorboard  # here: it imports Keras
 
         tensorboard.require()
     backend = jobcode.import_framework(spec)
@@ -42,8 +42,6 @@ def check(spec) -> str:
     model = jobcode.build_model(spec, backend.placement(spec, None, False).strategy, data)
     jobcode.schedule(spec, model.optimizer)
     callbacks = jobcode.job_callbacks(spec)
-    from orchestrator.train import holders
-
     optimizers = ", ".join(f"{g.cls}" + ("" if g.name == holders.OPTIMIZER else f" ({g.where})")
                            for g in holders.discover(model).groups
                            if g.kind == holders.OPTIMIZER) or "no optimizer"

@@ -1,13 +1,9 @@
 """The job's own code as the worker-side processes meet it: factories, data, model, compile.
 
-The worker (``worker.py``), the exporter (``export.py``) and the doctor's probe
-(``jobcheck.py``) all import TensorFlow, resolve the job's ``module:function`` factories and
-build and compile its model; this module does it once for the three of them. Every mistake
-found here is the job's, and it is raised as a ``JobError`` that names the job file and the key
-(``model``, ``data``, ``compile.optimizer``, ``callbacks[0]`` ...) with what was expected: the
-worker then exits ``EXIT_CONFIG`` with a fatal error record, which the supervisor classifies as
-``user_error`` and does not retry. Before this, an unknown optimizer or a factory's
-``TypeError`` was retried as ``unknown`` until the restart budget was spent (5.6 s an attempt).
+The worker (attempt.py), the exporter (export.py) and the doctor's probe (jobcheck.py) all
+resolve the job's ``module:function`` factories and build and compile its model through here.
+Every mistake found here is the job's: a ``JobError`` naming the job file, the key and what was
+expected, which the worker turns into ``EXIT_CONFIG`` (not retried).
 """
 from __future__ import annotations
 
@@ -21,6 +17,9 @@ from dataclasses import dataclass, field
 
 from orchestrator.core import cellcode
 from orchestrator.core.spec import CELL_MODULE, JobSpec
+from orchestrator.train import backends, datasets, holders, schedules
+from orchestrator.train.errors import JobError
+from orchestrator.train.schedules import get_learning_rate
 
 log = logging.getLogger(__name__)
 
@@ -33,20 +32,9 @@ _MISMATCH = re.compile(r"shape|rank|ndim|incompatible|dimension|label value", re
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")  # Keras puts the layer's message in bold
 
 
-class JobError(Exception):
-    """The job's configuration or code is wrong; retrying will not help. ``key`` is the job
-    file's key at fault (``model``, ``compile.optimizer`` ...), when one is."""
-
-    def __init__(self, message: str, key: str | None = None):
-        super().__init__(message)
-        self.key = key
-
-
 def import_framework(spec: JobSpec):
     """The run's backend (train/backends), its framework imported, or a ``JobError`` that says
     in one line which extra to install. ``KERAS_BACKEND`` is set before Keras is imported."""
-    from orchestrator.train import backends
-
     backend = backends.for_name(spec.backend)
     backend.import_framework()
     return backend
@@ -145,8 +133,6 @@ def factories(spec: JobSpec) -> list[Factory]:
 
 def load_data(spec: JobSpec):
     """The data factory's result as ``datasets.JobData``."""
-    from orchestrator.train import datasets
-
     try:
         return datasets.normalise(resolve(spec, spec.data, "data")(), _where(spec, "data"))
     except datasets.DataError as exc:
@@ -284,12 +270,23 @@ def _kept_still(model):
     """The seed-generator states before the check, put back after it: a layer that draws
     even with ``training=False`` (a VAE's sampling layer) must not start training from a
     state a plain ``fit`` would not have."""
-    from orchestrator.train import holders
-
     found = holders.discover(model)
     seeds = [v for g in found.groups if g.kind == holders.SEED for v in g.variables]
     seeds += [v for v in model.non_trainable_variables if "seed" in (v.path or "")]
     return [(v, v.numpy()) for v in seeds]
+
+
+def _forward_and_loss(model, x, y, sample_weight):
+    """The forward pass and the loss as Keras's ``train_step`` computes them, not training."""
+    y_pred = model(x, training=False)
+    loss = getattr(model, "_compute_loss", None)
+    if loss is not None:
+        loss(x, y, y_pred, sample_weight, training=False)
+    elif "training" in inspect.signature(model.compute_loss).parameters:
+        model.compute_loss(x, y, y_pred, sample_weight, training=False)
+    else:  # a model of the job's that overrides compute_loss the Keras 3.0 way
+        model.compute_loss(x, y, y_pred, sample_weight)
+    return y_pred
 
 
 def first_step(spec: JobSpec, model, batch):
@@ -306,8 +303,6 @@ def first_step(spec: JobSpec, model, batch):
       to the step); what a batch means is the job's code.
 
     Seed-generator states are put back afterwards: nothing the resume sees has moved."""
-    from orchestrator.train import backends, datasets
-
     x, y, sample_weight = datasets.unpack(batch)
     custom = custom_step(model)
     if custom and (_built(model) or not _has_call(model)):
@@ -324,14 +319,7 @@ def first_step(spec: JobSpec, model, batch):
         finally:
             _put_back(kept)
     try:
-        y_pred = model(x, training=False)
-        loss = getattr(model, "_compute_loss", None)
-        if loss is not None:
-            loss(x, y, y_pred, sample_weight, training=False)
-        elif "training" in inspect.signature(model.compute_loss).parameters:
-            model.compute_loss(x, y, y_pred, sample_weight, training=False)
-        else:  # a model of the job's that overrides compute_loss the Keras 3.0 way
-            model.compute_loss(x, y, y_pred, sample_weight)
+        y_pred = _forward_and_loss(model, x, y, sample_weight)
     except backends.current().input_errors() as exc:
         # Keras wraps a layer's error in "Exception encountered when calling ..." and appends
         # "Arguments received by ...", whose tensor reprs say "shape": read the error itself.
@@ -371,8 +359,6 @@ def build_model(spec: JobSpec, strategy, data):
     ``train_step`` holds are built at its first step, as under ``fit``; a restore builds them
     from the checkpoint's record (state.restore)."""
     import keras
-
-    from orchestrator.train import datasets
 
     check_compile(spec)  # outside the scope: the throwaway optimizers it makes are not placed
     with strategy.scope():
@@ -425,9 +411,6 @@ def job_callbacks(spec: JobSpec) -> list:
 
 def schedule(spec: JobSpec, optimizer):
     """The spec's learning-rate schedule, or None; checks the optimizer's rate can be set."""
-    from orchestrator.train import schedules
-    from orchestrator.train.callbacks import get_learning_rate
-
     if spec.learning_rate is None:
         return None
     if optimizer is None:

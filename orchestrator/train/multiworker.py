@@ -79,6 +79,20 @@ def cluster(env=None) -> Cluster | None:
     return Cluster(int(config["task"]["index"]), len(workers), workers)
 
 
+def in_group() -> bool:
+    return cluster() is not None
+
+
+def rank() -> int:
+    """This worker's rank in its group (0 alone): from TF_CONFIG, read without TensorFlow;
+    0 where TF_CONFIG cannot be read (an error record must still be written)."""
+    try:
+        group = cluster()
+    except (ValueError, KeyError, TypeError):
+        return 0
+    return group.rank if group else 0
+
+
 def strategy(c: Cluster):
     """MWMS over the cluster, with Keras made able to fit under it."""
     import tensorflow as tf

@@ -19,6 +19,8 @@ import contextlib
 import logging
 import signal
 import time
+from orchestrator.core.events import Event
+from orchestrator.core.journal import Journal
 
 log = logging.getLogger(__name__)
 
@@ -37,9 +39,6 @@ class Preempted(BaseException):
     def journal(self, path: str, attempt: int, progress) -> None:
         """``preempted`` in the journal at ``path``, and the line; the run directory may be
         what is going away (a runtime being recycled): then the line only."""
-        from orchestrator.core.events import Event
-        from orchestrator.core.journal import Journal
-
         try:
             Journal(path).append(Event.PREEMPTED, source="worker", attempt=attempt,
                                  step=self.step, epoch=progress.epoch, batch=progress.batch,

@@ -9,6 +9,8 @@ reasons are journaled as ``resume_not_exact``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from orchestrator.core.rundir import ENV_RESTORE_STEP
+from orchestrator.train.errors import JobError
 
 NOT_DETERMINISTIC = (
     "the job does not set 'deterministic: true': TensorFlow may choose nondeterministic kernels "
@@ -71,9 +73,6 @@ def restore_point(store, rank: int, skipped: list):
     """The checkpoint to restore: the newest that verifies; in a group, exactly the step the
     supervisor names for every rank (ENV_RESTORE_STEP; empty: start afresh)."""
     import os
-
-    from orchestrator.core.rundir import ENV_RESTORE_STEP
-    from orchestrator.train.jobcode import JobError
 
     step = os.environ.get(ENV_RESTORE_STEP)
     on_skip = lambda c, why: skipped.append((c, why))  # noqa: E731

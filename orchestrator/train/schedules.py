@@ -16,6 +16,17 @@ from orchestrator.core.spec import LearningRateSpec
 Schedule = Callable[[int, float], float]
 
 
+def get_learning_rate(optimizer) -> float | None:
+    """The current rate through the public property (wrappers such as LossScaleOptimizer
+    forward it to the optimizer they wrap); None for a model compiled without an optimizer (a
+    custom ``train_step`` with optimizers of its own)."""
+    if optimizer is None:
+        return None
+    import keras  # here, not above: the doctor's schedule checks run without a framework
+
+    return float(keras.ops.convert_to_numpy(optimizer.learning_rate))
+
+
 def step_decay(initial: float, factor: float = 0.1, every: int = 1) -> Schedule:
     """``initial * factor ** (epoch // every)``."""
     return lambda epoch, lr: initial * factor ** (epoch // every)

@@ -1,97 +1,30 @@
-"""The standby worker's own pieces: low priority, the traced step, waiting for promotion.
+"""The standby worker: warm up beside the active worker, wait for promotion, become an attempt.
 
-A recovery after a kill used to be a cold start: a new process imports TensorFlow (over half
-of it), builds the model and traces the first step (5 s on ResNet-20). A standby does all of
-that while the active worker trains, then waits on its stdin; the supervisor promotes it by
-writing one line (``{"attempt": N}``) and it becomes attempt N through the very ``run`` a cold
-attempt uses (worker.py), which restores the newest verified checkpoint over whatever the
-standby holds. The pipe closes when the supervisor dies or discards it: then it exits.
-
-It must not slow the worker it stands behind: it lowers the priority of every thread it has
-(Linux nice values are per thread, and TensorFlow's pools are created during the warm-up, so
-they inherit it) and puts it back when promoted; it also asks the kernel's OOM killer to take
-it first. Putting it back needs root or a raised
-RLIMIT_NICE (Colab runs as root); where it cannot, the promoted worker says so in
-``worker_ready`` and trains at the lowered priority, which only matters beside other work.
-
-Its session's *autogroup* is left as it is, on purpose. Under ``kernel.sched_autogroup_enabled``
-(Linux's default) each session is scheduled as one group with an equal share, and the worker
-and the standby each have a session of their own, so the standby's nice 19 counts only inside
-its own session: while it warms up it takes up to half the CPU from a CPU-bound worker. Measured
-on 2 cores with ResNet-20 (bench, 2026-12-05): the worker's epochs took 1.8x as long for the
-~7 s the standby took to warm up, once per attempt. With the autogroup lowered to 19 as well, a standby
-never warmed up between kills 20 s apart (11 of 11 recoveries cold, goodput 0.60 against 0.885)
-and the worker still trained 1.18x slower beside it (the cost of any work on its cores there).
-A bounded, one-time slowdown that buys warm recoveries is the better trade; ``standby: off``
-is for runs where it is not.
+It runs ``configure`` and ``prepare`` (attempt.py) and traces one step at low priority (nice
+19, first for the OOM killer), journals ``standby_ready`` and waits on stdin; the promotion
+line (``{"attempt": N}``) makes it attempt N through the cold attempt's ``run``, with its
+priority put back. A closed pipe (discarded, or the supervisor gone) ends it. Why its session's
+autogroup is left as it is, with the figures: ARCHITECTURE.md, "The warm standby".
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import random
 import sys
-import threading
 import time
 import traceback
 
+from orchestrator.core.events import Event
+from orchestrator.core.heartbeat import Position, resident_bytes
+from orchestrator.core.journal import Journal
 from orchestrator.core.rundir import EXIT_PREEMPTED
 from orchestrator.core.standbymode import StandbyMode
+from orchestrator.train import attempt, holders, outcome, state
+from orchestrator.train.preemption import Preempted
+from orchestrator.train.promotion import Promotion, lower_priority, restore_priority
 
 log = logging.getLogger(__name__)
-
-STANDBY_NICE = 19
-STANDBY_OOM_SCORE_ADJ = 1000  # the kernel's OOM killer takes the standby before the worker
-OOM_SCORE_ADJ = "/proc/self/oom_score_adj"
-
-
-def _threads() -> list[int]:
-    try:
-        return [int(t) for t in os.listdir("/proc/self/task")]
-    except OSError:  # no procfs: the calling thread only
-        return [0]
-
-
-def _set_priority(nice: int) -> None:
-    for tid in _threads():
-        try:
-            os.setpriority(os.PRIO_PROCESS, tid, nice)
-        except ProcessLookupError:  # a thread that ended meanwhile
-            continue
-
-
-def _oom_score_adj(value: int) -> None:
-    with open(OOM_SCORE_ADJ, "w", encoding="ascii") as f:
-        f.write(str(value))
-
-
-def lower_priority(nice: int = STANDBY_NICE) -> int:
-    """Every thread of this process to ``nice``, and this process first in line for the
-    kernel's OOM killer (it holds about as much memory as the worker, which must not be the
-    one to go); returns the nice value before."""
-    before = os.getpriority(os.PRIO_PROCESS, 0)
-    _set_priority(max(before, nice))
-    try:
-        _oom_score_adj(STANDBY_OOM_SCORE_ADJ)  # raising it needs no privilege
-    except OSError as exc:  # no procfs: only the priority is lowered
-        log.info(f"oom_score_adj not raised ({exc})")
-    return before
-
-
-def restore_priority(before: int) -> str | None:
-    """Every thread back to ``before``, the OOM score back to neutral; None when done, else
-    why not (it stays lowered)."""
-    try:
-        _set_priority(before)
-        _oom_score_adj(0)
-    except PermissionError as exc:
-        return (f"stays at nice {os.getpriority(os.PRIO_PROCESS, 0)} or OOM score "
-                f"{STANDBY_OOM_SCORE_ADJ}: {exc} (restoring them needs root)")
-    except FileNotFoundError:  # no procfs: the priority was all there was to restore
-        return None
-    return None
-
 
 def trace(prep) -> None:
     """One step of ``fit`` on the job's real first batch (and one validation batch), so that
@@ -104,8 +37,6 @@ def trace(prep) -> None:
     cannot be undone): the standby waits with the model built, and the step traces once
     promoted."""
     import numpy as np
-
-    from orchestrator.train import holders, state
 
     model = prep.model
     late = [g.where for g in holders.discover(model).groups
@@ -135,106 +66,39 @@ def trace(prep) -> None:
                            f"{print_before[:12]} before, {after[:12]} after)")
 
 
-def wait_for_promotion(stream) -> dict | None:
-    """Block until the supervisor writes the promotion line; None when the pipe closes (the
-    supervisor discarded this standby or is gone). A line that is not the expected JSON
-    object is an error: the two processes are the same version of this package."""
-    line = stream.readline()
-    if not line:
-        return None
-    order = json.loads(line)
-    if not isinstance(order, dict) or not isinstance(order.get("attempt"), int):
-        raise ValueError(f"promotion line {line!r}: expected {{\"attempt\": N}}")
-    return order
-
-
-class Promotion:
-    """The promotion line, read on a thread of its own from the start of the warm-up, so that a
-    standby can be *adopted* before it is ready: the supervisor promotes one still warming up
-    when the worker dies (a kill 1-2 s after an attempt's first step finds it importing), and
-    it gets its priority back at once (from this thread, every thread of the process) and
-    finishes its start-up as the attempt, skipping what only a waiting standby needs (the
-    traced step, which ``fit`` then does). It is never slower than a cold start: the same code
-    from the same point, with the part already done behind it."""
-
-    def __init__(self, stream, nice_before: int):
-        self.stream, self.nice_before = stream, nice_before
-        self.arrived = threading.Event()
-        self.order: dict | None = None
-        self.error: BaseException | None = None
-        self.priority_why_not: str | None = None
-        self.arrived_at: float | None = None
-        threading.Thread(target=self._read, name="promotion", daemon=True).start()
-
-    def _read(self) -> None:
-        try:
-            self.order = wait_for_promotion(self.stream)
-        except Exception as exc:  # noqa: BLE001 - raised in the main thread by wait()
-            self.error = exc
-        if self.order is not None:
-            self.arrived_at = time.time()
-            self.priority_why_not = restore_priority(self.nice_before)
-        self.arrived.set()
-
-    def adopted(self) -> bool:
-        """The line came while warming up (checked between the warm-up's stages)."""
-        return self.arrived.is_set() and self.order is not None
-
-    def closed(self) -> bool:
-        """The pipe closed while warming up: discarded, or the supervisor is gone."""
-        return self.arrived.is_set() and self.order is None and self.error is None
-
-    def pending(self) -> bool:
-        """Neither adopted nor closed: the warm-up goes on."""
-        return not (self.adopted() or self.closed())
-
-    def wait(self) -> dict | None:
-        self.arrived.wait()
-        if self.error is not None:
-            raise self.error
-        return self.order
-
-
 def _raising(exc: BaseException):
     def body():
         raise exc
     return body
 
 
-def serve(spec, rd, attempt: int, mode: str, notice, t0: float, steps) -> int:
+def serve(spec, layout, number: int, mode: str, notice, t0: float) -> int:
     """Warm up at low priority, journal ``standby_ready``, wait for the promotion line on
-    stdin, then become ``attempt`` (the number the promotion line gives). A line that comes
-    during the warm-up adopts it (``Promotion``). ``steps``: the worker's ``configure``,
-    ``prepare``, ``run`` and ``guarded``, passed in by train/worker.py, which imports this
-    module: importing them back made a cycle, and under ``python -m`` a second copy of the
-    worker module."""
-    from orchestrator.core.events import Event
-    from orchestrator.core.heartbeat import Position, resident_bytes
-    from orchestrator.core.journal import Journal
-    from orchestrator.train.preemption import Preempted
-    configure, guarded, prepare, run = steps.configure, steps.guarded, steps.prepare, steps.run
-
+    stdin, then become attempt ``number`` (the number the promotion line gives) through the
+    cold attempt's own steps (attempt.py). A line that comes during the warm-up adopts it
+    (``Promotion``)."""
     nice = lower_priority()
     promotion = Promotion(sys.stdin, nice)
     prep, ready_at = None, None
     try:
-        marks = configure(spec, t0)
+        marks = attempt.configure(spec, t0)
         if mode == StandbyMode.WARM and promotion.pending():
-            prep = prepare(spec, t0, marks)
+            prep = attempt.prepare(spec, t0, marks)
             if promotion.pending():
                 trace(prep)
                 prep.backend.after_compile()
                 marks["traced"] = round(time.time() - t0, 3)
         if promotion.pending():
             ready_at = time.time()
-            Journal(rd.journal).append(Event.STANDBY_READY, source="worker",
-                                       for_attempt=attempt, pid=os.getpid(), mode=mode,
-                                       phases_s=marks, rss=resident_bytes())
+            Journal(layout.journal).append(Event.STANDBY_READY, source="worker",
+                                           for_attempt=number, pid=os.getpid(), mode=mode,
+                                           phases_s=marks, rss=resident_bytes())
             log.info(f"ready ({mode}) after {ready_at - t0:.1f} s; waiting")
         order = promotion.wait()
     except (Exception, Preempted) as exc:  # noqa: BLE001 - a standby's failure is not fatal
         if promotion.adopted():  # it is the attempt now: its failure is the attempt's, recorded
-            return guarded(rd, promotion.order["attempt"], Position(), _raising(exc))
+            return outcome.guarded(layout, promotion.order["attempt"], Position(),
+                                   _raising(exc))
         if isinstance(exc, Preempted):
             return EXIT_PREEMPTED
         traceback.print_exc()
@@ -260,7 +124,7 @@ def serve(spec, rd, attempt: int, mode: str, notice, t0: float, steps) -> int:
 
     def body():
         marks = {}
-        return run(prep or prepare(spec, t_start, marks), rd, n, progress, t_start, marks,
-                   notice, standby=info)
+        return attempt.run(prep or attempt.prepare(spec, t_start, marks),
+                         attempt.Attempt(layout, n, progress, t_start, marks, notice, None, info))
 
-    return guarded(rd, n, progress, body)
+    return outcome.guarded(layout, n, progress, body)

@@ -130,6 +130,24 @@ def _named(name: str, info: dict | None) -> str:
     return f"{name} ({info.get('class')} at {info.get('where')}, {info.get('variables')} variables)"
 
 
+def _same_groups(saved: dict, groups: dict, saved_layout: dict) -> None:
+    """A group on one side only is a changed model: ``StateMismatch`` names each."""
+    missing = [n for n in saved if n not in groups]
+    extra = [n for n in groups if n not in saved]
+    if missing or extra:
+        parts = []
+        if missing:
+            parts.append("the checkpoint holds " + "; ".join(
+                _named(n, saved_layout.get(n)) for n in missing) + ", which the job's model "
+                "does not have")
+        if extra:
+            parts.append("the job's model has " + "; ".join(
+                f"{n} ({groups[n].cls} at {groups[n].where})" for n in extra) + ", which the "
+                "checkpoint does not hold")
+        raise StateMismatch(f"{', and '.join(parts)}: the model changed since the checkpoint "
+                            f"was written")
+
+
 def restore(model, arrays: dict[str, np.ndarray], saved_layout: dict | None = None) -> int:
     """Assign saved values to every holder's variables (holders.py); return how many.
 
@@ -148,20 +166,7 @@ def restore(model, arrays: dict[str, np.ndarray], saved_layout: dict | None = No
     groups = {g.name: g for g in found.groups
               if g.name != holders.GLOBAL_SEED or holders.GLOBAL_SEED in saved}
     saved_layout = saved_layout or {}
-    missing = [n for n in saved if n not in groups]
-    extra = [n for n in groups if n not in saved]
-    if missing or extra:
-        parts = []
-        if missing:
-            parts.append("the checkpoint holds " + "; ".join(
-                _named(n, saved_layout.get(n)) for n in missing) + ", which the job's model "
-                "does not have")
-        if extra:
-            parts.append("the job's model has " + "; ".join(
-                f"{n} ({groups[n].cls} at {groups[n].where})" for n in extra) + ", which the "
-                "checkpoint does not hold")
-        raise StateMismatch(f"{', and '.join(parts)}: the model changed since the checkpoint "
-                            f"was written")
+    _same_groups(saved, groups, saved_layout)
     sync(model)
     model_vars = groups[holders.MODEL].variables
     for name, g in groups.items():

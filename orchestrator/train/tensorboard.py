@@ -1,50 +1,12 @@
 """TensorBoard scalars that continue across restarts (worker side; ``tensorboard:`` in the job).
 
-Every point is written at the run's **global step** (``Position.step``: training batches run in
-the whole run, restored from the checkpoint), so the curves of all attempts lie on one axis:
-per epoch (``epoch_loss``, ``epoch_accuracy``, ``epoch_learning_rate``, and the validation
-metrics under the ``validation`` run) and every ``every_steps`` steps (``batch_*``: the epoch's
-running metrics so far, as Keras reports them, and the rate).
-
-What a naive resume does: the killed attempt had written points past the checkpoint it is
-resumed from, and the next one writes those steps again. Measured with Keras' own TensorBoard
-callback, ``fit(initial_epoch=2)`` after a first ``fit`` that had written epoch 2 gives
-TensorBoard's ``EventAccumulator`` the steps ``[0, 1, 2, 2, 3, 4]``. TensorBoard's own purge
-does not save it: files written by ``tf.summary`` declare ``brain.Event:2``, for which the
-readers no longer purge steps that go backwards and only honour a ``SessionLog.START`` marker;
-``EventAccumulator`` (tensorboard 2.21) then purges only legacy ``simple_value`` scalars, never
-the tensors ``tf.summary.scalar`` writes, and the loader a running TensorBoard uses
-(``plugin_event_accumulator``) ignores the first START it sees.
-
-What this module does: points written past the restored checkpoint's step by a killed attempt
-are **dropped**, and the resumed attempt writes those steps afresh (the same values when the
-resume is exact). Two mechanisms, one for each kind of reader:
-
-- ``repair``, before the attempt writes anything, rewrites the event files of each run folder
-  (``train``, ``validation``) into one *history* file holding, for each tag and step up to the
-  restored step, the last value written, in step order; the other files are then removed. Its
-  name sorts before any file ``tf.summary`` writes (whose names start with the creation time),
-  so a reader that opens the folder afresh (TensorBoard started later, its Rust data server,
-  ``EventAccumulator``, pandas readers) sees every step once and in order, whatever the
-  computers' clocks. The rewrite is idempotent: killed half-way (history replaced, old files
-  not yet removed), the next attempt merges the same points to the same history.
-- Each attempt's own file starts with ``SessionLog.START`` at the restored step + 1: a
-  TensorBoard that was already watching, and had read the dropped points before they were
-  dropped, purges every point from that step on (``plugin_event_accumulator``: every attempt
-  writes one, so each resumed attempt's is not the first it sees).
-
-Each point is flushed as it is written (before the checkpoint callback commits that step), so
-a kill loses no point at or before the step the next attempt resumes from.
-
-**No TensorFlow, on either backend.** A JAX worker on a TPU VM has no TensorFlow, and one on a
-GPU runtime that has it must not import it (2.5 s; on a TPU VM it may take libtpu). So the
-files are written and read with what the ``tensorboard`` package ships that needs none: its
-event and summary protos, ``scalar_pb`` (the very summary ``tf.summary.scalar`` writes: a
-float32 tensor for the ``scalars`` plugin), ``RecordWriter`` and the stub's record reader.
-Not its ``EventFileWriter`` nor its event-file loader: both go through ``tensorboard.compat.tf``,
-which imports TensorFlow whenever it is installed (so does ``io_wrapper``'s file-name check).
-Both backends write the same files the same way, ``SessionLog.START`` included, as a plain
-event (``tf.summary`` took it only through ``tf.raw_ops.ImportEvent``).
+Every point is written at the run's global step, so all attempts lie on one axis. Points a
+killed attempt wrote past the restored checkpoint are dropped: ``repair`` rewrites each run
+folder into one *history* file before the attempt writes, and each attempt's own file starts
+with ``SessionLog.START`` at the restored step + 1 for a TensorBoard already watching. Points
+are flushed before the checkpoint commits their step. No TensorFlow on either backend: only
+what the ``tensorboard`` package ships that needs none. Why Keras' own callback and
+TensorBoard's purge do not do it: ARCHITECTURE.md, "TensorBoard across restarts".
 """
 from __future__ import annotations
 
@@ -57,8 +19,8 @@ import time
 import keras
 
 from orchestrator.core.heartbeat import Position
-from orchestrator.train.callbacks import get_learning_rate
-from orchestrator.train.jobcode import JobError
+from orchestrator.train.errors import JobError
+from orchestrator.train.schedules import get_learning_rate
 
 RUNS = ("train", "validation")  # TensorBoard's runs (sub-folders), as Keras names them
 # Sorts before every "events.out.tfevents.<seconds since 1970>..." file tf.summary creates.

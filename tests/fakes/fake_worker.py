@@ -44,7 +44,7 @@ from orchestrator.core.journal import Journal
 from orchestrator.core.osutil import write_atomic, write_json_atomic
 from orchestrator.core.rundir import RunDir, export_staging
 from orchestrator.core.specload import load
-from orchestrator.train.worker import write_error_record
+from orchestrator.train.outcome import write_error_record
 
 STEPS = 10
 EXIT_PREEMPTED = 143
@@ -116,7 +116,7 @@ def main():
 def _stand_by(a, plan) -> int:
     """Warm up, journal standby_ready, wait for the promotion line; the attempt it names. A
     line during the warm-up adopts it (the real Promotion): it trains at once, never ready."""
-    from orchestrator.train.standby import Promotion
+    from orchestrator.train.promotion import Promotion
 
     spec = load(a.job, run_dir=a.run_dir)
     rd = RunDir.for_spec(spec)

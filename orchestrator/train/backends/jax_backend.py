@@ -3,7 +3,7 @@
 What differs from TensorFlow, and why:
 
 - **Nothing imports TensorFlow.** ``keras.utils.set_random_seed`` imports it whenever it is
-  installed (2.5 s, and on a TPU VM it may take libtpu); ``seed`` does what it does for JAX
+  installed (seconds, and on a TPU VM it may take libtpu); ``seed`` does what it does for JAX
   without it. The data of in-memory arrays is a NumPy generator whose order is a function of
   (seed, epoch) alone (``array_batches``), so a resumed epoch replays the same batches; a
   ``tf.data`` job still works where TensorFlow is installed, through the TensorFlow pipeline.
@@ -22,10 +22,9 @@ What differs from TensorFlow, and why:
   (``jax.distributed``, ``join_group``) under ``keras.distribution.DataParallel`` over every
   process's devices; each rank feeds only its own rows of every global batch
   (``Cluster.rows``), so N processes train exactly as one process with N devices would.
-- **Compilation is most of a cold start** (digits: 11-17 s to the first step without a
-  cache, 5 s with a warm one). The persistent compile cache lives in the local tier and is
-  mirrored to the run directory (``compile_cache.py``), so a recovery and a recycled VM start
-  warm.
+- **Compilation is most of a cold start** (BENCHMARKS.md, 5.4). The persistent compile cache
+  lives in the local tier and is mirrored to the run directory (``compile_cache.py``), so a
+  recovery and a recycled VM start warm.
 """
 from __future__ import annotations
 
@@ -34,7 +33,14 @@ import sys
 
 import numpy as np
 
-from orchestrator.train.backends import Placement
+from orchestrator.core import backends, tpuvm
+from orchestrator.core.rundir import ENV_STRATEGY
+from orchestrator.train import datasets
+from orchestrator.train.accelerators import AcceleratorUnavailable
+from orchestrator.train.backends.base import Placement
+from orchestrator.train.compile_cache import CompileCache
+from orchestrator.train.epochdata import EpochData, is_pydataset
+from orchestrator.train.errors import JobError
 
 # XLA's flag for a CPU split into N devices (tests; DataParallel on one host).
 _CPU_SPLIT_FLAG = "--xla_force_host_platform_device_count"
@@ -77,8 +83,6 @@ def part_batches(part, seed: int, begin: int, end: int, global_batch: int,
     ``begin``. A generator: ``fit`` draws exactly ``steps_per_epoch`` batches per epoch; each
     batch is a tuple (x alone: ``(x,)``), as Keras requires of a generator's.
     ``rows``: only these rows of every global batch (a rank of a group feeds its own part)."""
-    from orchestrator.train import datasets
-
     n = datasets.rows(part)
     last = n - global_batch + 1 if drop_remainder else n
     for epoch in range(begin, end):
@@ -155,8 +159,6 @@ class JaxBackend:
 
     def import_framework(self) -> None:
         """Import JAX and Keras on it, or say in one line what to install."""
-        from orchestrator.train.jobcode import JobError
-
         try:
             import jax  # noqa: F401
             import keras
@@ -184,9 +186,6 @@ class JaxBackend:
     def configure(self, spec, cpu_devices: str | None, standby: bool) -> None:
         """Before JAX initialises its backend (its first device query): the environment is all
         it reads then."""
-        from orchestrator.core import backends, tpuvm
-        from orchestrator.core.rundir import ENV_STRATEGY
-
         if cpu_devices and int(cpu_devices) > 1:
             _add_xla_flags(f"{_CPU_SPLIT_FLAG}={int(cpu_devices)}")
         strategy = os.environ.get(ENV_STRATEGY) or spec.strategy  # a fallback's, if any
@@ -199,8 +198,6 @@ class JaxBackend:
             os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
         if spec.deterministic:
             _add_xla_flags(*DETERMINISTIC_GPU_FLAGS)
-        from orchestrator.train.compile_cache import CompileCache
-
         self.cache = CompileCache.for_spec(spec)
         self._pulled = self.cache.pull()
 
@@ -240,8 +237,6 @@ class JaxBackend:
         import jax
         import keras
 
-        from orchestrator.train.accelerators import AcceleratorUnavailable
-
         if group is not None and self.group is None:
             join_group(group)
             self.group = group
@@ -271,9 +266,6 @@ class JaxBackend:
 
     def train_data(self, data, seed: int, begin: int, end: int, global_batch: int,
                    drop_remainder: bool, skip_batches: int = 0):
-        from orchestrator.train import datasets
-        from orchestrator.train.epochdata import EpochData
-
         if isinstance(data.train, EpochData):  # the job's own batches (one process: fixed())
             return data.train.batches(seed, begin, end, skip_batches)
         rows = self.group.rows(global_batch) if self.group is not None else None
@@ -285,9 +277,6 @@ class JaxBackend:
                             skip_batches, rows=rows)
 
     def validation_data(self, data, global_batch: int, drop_remainder: bool):
-        from orchestrator.train import datasets
-        from orchestrator.train.epochdata import is_pydataset
-
         if data.validation is None or is_pydataset(data.validation):
             return data.validation  # a PyDataset: Keras's evaluate reads it in index order
         if datasets.is_tf_dataset(data.validation):
@@ -312,9 +301,6 @@ class JaxBackend:
     def validation_sample(self, val, global_batch: int):
         """One validation batch of the real shape (the standby's traced step compiles the
         evaluation for it)."""
-        from orchestrator.train import datasets
-        from orchestrator.train.epochdata import is_pydataset
-
         if val is None or is_pydataset(val):
             return None  # a PyDataset's evaluation is traced at the first epoch's end
         if datasets.is_tf_dataset(val):

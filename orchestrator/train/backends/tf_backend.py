@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import sys
 
-from orchestrator.train.backends import Placement
+from orchestrator.train import datasets, multiworker
+from orchestrator.train.accelerators import gpu_memory_growth, resolve_strategy, split_cpu
+from orchestrator.train.backends.base import Placement
+from orchestrator.train.epochdata import is_pydataset
+from orchestrator.train.errors import JobError
 
 
 class TensorFlowBackend:
@@ -21,8 +25,6 @@ class TensorFlowBackend:
 
     def import_framework(self) -> None:
         """Import TensorFlow and Keras, or say in one line which extra to install."""
-        from orchestrator.train.jobcode import JobError
-
         try:
             import tensorflow as tf  # noqa: F401
             import keras  # noqa: F401
@@ -44,8 +46,6 @@ class TensorFlowBackend:
     def configure(self, spec, cpu_devices: str | None, standby: bool) -> None:
         """Before TensorFlow initialises its devices: the CPU split (tests), and memory growth
         when a standby shares the GPU."""
-        from orchestrator.train.accelerators import gpu_memory_growth, split_cpu
-
         self.import_framework()  # a missing TensorFlow is the one line naming the extra
         split_cpu(cpu_devices)
         if standby:
@@ -62,9 +62,6 @@ class TensorFlowBackend:
     def placement(self, spec, group, reinitialise: bool) -> Placement:
         import tensorflow as tf
 
-        from orchestrator.train import multiworker
-        from orchestrator.train.accelerators import resolve_strategy
-
         strategy, described = (multiworker.strategy(group) if group else
                                resolve_strategy(spec.strategy, reinitialise=reinitialise))
         is_tpu = isinstance(strategy, tf.distribute.TPUStrategy)
@@ -72,20 +69,14 @@ class TensorFlowBackend:
                          plain=strategy is tf.distribute.get_strategy(), drop_remainder=is_tpu)
 
     def normalise(self, result, where: str):
-        from orchestrator.train import datasets
-
         return datasets.normalise(result, where)
 
     def train_data(self, data, seed: int, begin: int, end: int, global_batch: int,
                    drop_remainder: bool, skip_batches: int = 0):
-        from orchestrator.train import datasets
-
         return datasets.train_dataset(data, seed, begin, end, global_batch, drop_remainder,
                                       skip_batches=skip_batches)
 
     def validation_data(self, data, global_batch: int, drop_remainder: bool):
-        from orchestrator.train import datasets
-
         return datasets.validation_dataset(data, global_batch, drop_remainder)
 
     def fit_options(self, global_batch: int) -> dict:
@@ -94,8 +85,6 @@ class TensorFlowBackend:
     def validation_sample(self, val, global_batch: int):
         """One validation batch (the standby's traced step); none of a PyDataset, whose
         evaluation is traced at the first epoch's end."""
-        from orchestrator.train.epochdata import is_pydataset
-
         return val.take(1) if val is not None and not is_pydataset(val) else None
 
     def input_errors(self) -> tuple:
