@@ -33,7 +33,7 @@ def _all_gone(events):
 
 @pytest.mark.integration
 def test_a_killed_worker_is_replaced_by_the_warm_standby_and_a_new_one_starts(fake_job, tmp_path):
-    plan = dict(SLOW, exit_at_epoch={"1": [3, -9]})
+    plan = dict(SLOW, exit_at_epoch={"1": [3, -9]}, await_standby=True)
     rc, out, events = supervise(fake_job(epochs=4, extra="standby: on"), plan, standby=True)
     assert rc == 0, out
     run = str(tmp_path / "run")

@@ -17,7 +17,9 @@ plan in $FAKE_PLAN (JSON) says, per attempt number:
    "ignore_sigterm": ["1"],     attempt 1 ignores SIGTERM (only SIGKILL stops it)
    "allocate_mb": {"1": 300},   attempt 1 allocates 300 MiB (an OOM kill under a cgroup limit)
    "standby_warm_s": 0.3,       a standby (--standby) warms up this long, then waits on stdin
-   "standby_exit": {"3": 1}}    the standby meant for attempt 3 exits 1 while warming up
+   "standby_exit": {"3": 1},    the standby meant for attempt 3 exits 1 while warming up
+   "await_standby": true}       exit_at_epoch waits (up to 60 s) until the next attempt's
+                                standby is ready: a warm recovery however slow its start-up
 With --standby MODE it is a standby: it journals ``standby_ready``, waits for the promotion
 line on stdin as the real one does (train/standby.py) and then trains as the attempt it names.
 Like the real worker it journals ``worker_ready`` (with steps_per_epoch) and ``first_step``,
@@ -56,6 +58,16 @@ def _on_sigterm(signum, frame):
     if not TERM["training"]:
         sys.exit(EXIT_PREEMPTED)
 
+
+
+def _await_standby(journal_path: str, attempt: int, bound_s: float = 60.0) -> None:
+    """Until the standby meant for ``attempt`` journals standby_ready (or the bound passes)."""
+    deadline = time.time() + bound_s
+    while time.time() < deadline:
+        if any(e.get("for_attempt") == attempt
+               for e in Journal(journal_path).iter("standby_ready")):
+            return
+        time.sleep(0.05)
 
 def main():
     p = argparse.ArgumentParser()
@@ -173,6 +185,8 @@ def train(spec, rd, attempt, plan, progress):
     for epoch in range(start + 1, spec.epochs + 1):
         progress.epoch = epoch - 1
         if stop and epoch == stop[0] and (len(stop) < 3 or stop[2] == rank):
+            if plan.get("await_standby"):
+                _await_standby(rd.journal, attempt + 1)
             if stop[1] < 0:
                 os.kill(os.getpid(), -stop[1])
             sys.exit(stop[1])
