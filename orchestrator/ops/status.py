@@ -300,6 +300,26 @@ def _backend(info: dict, events: list) -> dict:
             "devices": ready.get("strategy")}
 
 
+def _checkpoint_lines(s: dict, now: float) -> list[str]:
+    """Each tier's last checkpoint, whether the durable copy has settled, the tier's state."""
+    lines = []
+    for tier, c in s["checkpoints_by_tier"].items():
+        if c is None:
+            lines.append(f"  last checkpoint ({tier}): none")
+            continue
+        age = f", {fmt_duration(now - c['committed_at'])} ago" if c.get("committed_at") else ""
+        lines.append(f"  last checkpoint ({tier}): epoch {c['epoch']}, step {c['step']}{age}")
+    d = s.get("durable_settled") or {}
+    if d.get("policy") == settle.WriteBack.kind and d.get("step") is not None:
+        lines.append(f"  durable copy (write-back cache): {format_settled(d)}")
+    if s.get("durable_unreachable_since"):
+        lines.append(f"  durable tier unreachable for "
+                     f"{fmt_duration(now - s['durable_unreachable_since'])}; training goes on")
+    if s.get("durable_error"):
+        lines.append(f"  durable tier: {s['durable_error']}")
+    return lines
+
+
 def format_status(s: dict, now: float | None = None) -> str:
     now = time.time() if now is None else now
     where = f"epoch {s['epoch']}/{s['epochs']}, step {s['step']}"
@@ -322,20 +342,7 @@ def format_status(s: dict, now: float | None = None) -> str:
                      f"{fmt_duration(s['lost_to_faults_s'])}")
         if lost:
             lines.append(f"  time by cause: {lost}")
-    for tier, c in s["checkpoints_by_tier"].items():
-        if c is None:
-            lines.append(f"  last checkpoint ({tier}): none")
-            continue
-        age = f", {fmt_duration(now - c['committed_at'])} ago" if c.get("committed_at") else ""
-        lines.append(f"  last checkpoint ({tier}): epoch {c['epoch']}, step {c['step']}{age}")
-    d = s.get("durable_settled") or {}
-    if d.get("policy") == settle.WriteBack.kind and d.get("step") is not None:
-        lines.append(f"  durable copy (write-back cache): {format_settled(d)}")
-    if s.get("durable_unreachable_since"):
-        lines.append(f"  durable tier unreachable for "
-                     f"{fmt_duration(now - s['durable_unreachable_since'])}; training goes on")
-    if s.get("durable_error"):
-        lines.append(f"  durable tier: {s['durable_error']}")
+    lines += _checkpoint_lines(s, now)
     if s.get("backend"):
         b = s["backend"]
         versions = ", ".join(f"{k} {v}" for k, v in (b.get("versions") or {}).items()
