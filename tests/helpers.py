@@ -24,6 +24,14 @@ BOTH_BACKENDS = pytest.mark.parametrize("backend", BACKENDS)
 # writer's thread, the run directory's mirrors) is proven once, on JAX (Colab's TPU runtimes
 # and the cheaper start here): both backends doubled its cost for no path of its own.
 ONE_BACKEND = pytest.mark.parametrize("backend", ("jax",))
+# The soak tier (``ORCHESTRATOR_SOAK=1 scripts/test -m soak``): a guarantee the default suite
+# already proves on the path the test takes, proven again on the other backend or on a larger
+# topology. The suite must stay under 10 minutes on 2 cores, and each of these costs minutes of
+# framework starts; they run before a release and after a change to the path they cover.
+SOAK = pytest.mark.soak
+# Both backends, TensorFlow's run in the soak tier: the path is the backend's only through Keras.
+JAX_THEN_TF_IN_SOAK = pytest.mark.parametrize(
+    "backend", ("jax", pytest.param("tensorflow", marks=SOAK)))
 
 
 def once_per_session(tmp_path_factory, name: str, make):
@@ -106,6 +114,30 @@ def live(job, run_dir) -> "RunDir":
     from orchestrator.core.specload import load
 
     return RunDir.for_spec(load(str(job), run_dir=str(run_dir)))
+
+
+def start_run(job, run_dir, faults=(), env=None):
+    """``orchestrator run JOB --run-dir RUN_DIR`` with ``--fault`` plans, its output piped."""
+    args = [a for f in faults for a in ("--fault", f)]
+    return subprocess.Popen([sys.executable, "-m", "orchestrator", "run", str(job),
+                             "--run-dir", str(run_dir), *args], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def finished_run(proc, run_dir, timeout=400) -> list[dict]:
+    """The journal of a run started by ``start_run`` once it has exited 0."""
+    from orchestrator.core.journal import Journal
+
+    out, _ = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, out
+    return Journal(str(run_dir / "events.jsonl")).events()
+
+
+def only_event(events, name) -> dict:
+    """The one event called ``name`` (a second one, or none, fails the test)."""
+    found = [e for e in events if e["event"] == name]
+    assert len(found) == 1, (name, found)
+    return found[0]
 
 
 def wait_until(cond, timeout=120, what="condition"):

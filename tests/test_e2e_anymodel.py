@@ -11,13 +11,10 @@ by side; a few epochs of 8 steps on 256 digits; no standby.
 """
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 
-from helpers import ROOT
-from orchestrator.core.journal import Journal
+from helpers import JAX_THEN_TF_IN_SOAK, ROOT, SOAK, finished_run, only_event, start_run
 
 pytestmark = pytest.mark.e2e
 
@@ -50,31 +47,12 @@ CLASSIFIER = "compile: {optimizer: adam, loss: sparse_categorical_crossentropy, 
 CASES = [
     pytest.param("gan_job", "", "tensorflow", ("optimizer@d_optimizer", "optimizer@g_optimizer"),
                  id="gan-tensorflow"),
-    pytest.param("vae_job", "", "tensorflow", (), id="vae-tensorflow"),
+    pytest.param("vae_job", "", "tensorflow", (), id="vae-tensorflow", marks=SOAK),
     pytest.param("vae_job", "", "jax", (), id="vae-jax"),
     pytest.param("wgan_job", "", "tensorflow", ("optimizer@d_optimizer", "optimizer@g_optimizer"),
-                 id="wgan_gp-tensorflow"),
+                 id="wgan_gp-tensorflow", marks=SOAK),
     pytest.param("closs_job", CLASSIFIER, "jax", (), id="compute_loss-jax"),
 ]
-
-
-def _start(job, run_dir, faults=()):
-    args = [a for f in faults for a in ("--fault", f)]
-    return subprocess.Popen([sys.executable, "-m", "orchestrator", "run", job, "--run-dir",
-                             str(run_dir), *args], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-
-
-def _finished(proc, run_dir):
-    out, _ = proc.communicate(timeout=300)
-    assert proc.returncode == 0, out
-    return Journal(str(run_dir / "events.jsonl")).events()
-
-
-def _one(events, name):
-    found = [e for e in events if e["event"] == name]
-    assert len(found) == 1, (name, found)
-    return found[0]
 
 
 @pytest.mark.parametrize("module, compile_, backend, groups", CASES)
@@ -85,9 +63,9 @@ def test_a_model_fit_trains_resumes_bit_identical_after_two_kills(module, compil
     job = tmp_path / "job.yaml"
     job.write_text(JOB.format(name=module.replace("_", "-"), module=module, compile=compile_,
                               backend=backend))
-    ref = _start(str(job), tmp_path / "ref")  # side by side: the kills are by step, not time
-    run = _start(str(job), tmp_path / "run", KILLS)
-    ref_events, events = _finished(ref, tmp_path / "ref"), _finished(run, tmp_path / "run")
+    ref = start_run(str(job), tmp_path / "ref")  # side by side: the kills are by step, not time
+    run = start_run(str(job), tmp_path / "run", KILLS)
+    ref_events, events = finished_run(ref, tmp_path / "ref"), finished_run(run, tmp_path / "run")
 
     assert len([e for e in events if e["event"] == "fault_injected"]) == 2
     ready = [e for e in events if e["event"] == "worker_ready"]
@@ -97,7 +75,7 @@ def test_a_model_fit_trains_resumes_bit_identical_after_two_kills(module, compil
     assert not [e for e in events if e["event"] == "resume_not_exact"]
     # the last worker exported what it could (no exporter process: its cost is not the test's)
     assert [e.get("source") for e in events if e["event"] == "exported"] == ["worker"]
-    done, ref_done = _one(events, "run_completed"), _one(ref_events, "run_completed")
+    done, ref_done = only_event(events, "run_completed"), only_event(ref_events, "run_completed")
     assert done["weights_sha256"] == ref_done["weights_sha256"]
     assert done["state_sha256"] == ref_done["state_sha256"]
     # every optimizer the model holds is a group of its own in the checkpoints, with the
@@ -111,7 +89,7 @@ def test_a_model_fit_trains_resumes_bit_identical_after_two_kills(module, compil
         assert held[g]["built_over"] and -1 not in held[g]["built_over"]
 
 
-@pytest.mark.parametrize("backend", ("tensorflow", "jax"))
+@JAX_THEN_TF_IN_SOAK
 def test_a_frozen_backbone_killed_three_times_resumes_bit_identical_writing_only_the_head(
         backend, tmp_path):
     """Issue 37: the frozen layers' blobs are written once per tier; every later checkpoint
@@ -122,16 +100,16 @@ def test_a_frozen_backbone_killed_three_times_resumes_bit_identical_writing_only
     job = tmp_path / "job.yaml"
     job.write_text(JOB.format(name="frozen", module="frozen_job", compile=CLASSIFIER,
                               backend=backend))
-    ref = _start(str(job), tmp_path / "ref")
-    run = _start(str(job), tmp_path / "run", KILLS + ("kill@step=20",))
-    ref_events, events = _finished(ref, tmp_path / "ref"), _finished(run, tmp_path / "run")
+    ref = start_run(str(job), tmp_path / "ref")
+    run = start_run(str(job), tmp_path / "run", KILLS + ("kill@step=20",))
+    ref_events, events = finished_run(ref, tmp_path / "ref"), finished_run(run, tmp_path / "run")
 
     assert len([e for e in events if e["event"] == "fault_injected"]) == 3
     ready = [e for e in events if e["event"] == "worker_ready"]
     assert [(r["resumed_from_epoch"], r["resumed_from_batch"]) for r in ready] == [
         (0, 0), (0, 3), (1, 4), (2, 2)]
     assert not [e for e in events if e["event"] == "resume_not_exact"]
-    done, ref_done = _one(events, "run_completed"), _one(ref_events, "run_completed")
+    done, ref_done = only_event(events, "run_completed"), only_event(ref_events, "run_completed")
     assert done["weights_sha256"] == ref_done["weights_sha256"]
     assert done["state_sha256"] == ref_done["state_sha256"]
 

@@ -16,11 +16,10 @@ import sys
 import pytest
 import yaml
 
-from helpers import BOTH_BACKENDS, ROOT
+from helpers import JAX_THEN_TF_IN_SOAK, ROOT, finished_run, only_event, start_run
 from orchestrator.checkpoint.store import CheckpointStore
-from orchestrator.core.journal import Journal
 
-pytestmark = [pytest.mark.e2e, BOTH_BACKENDS]
+pytestmark = [pytest.mark.e2e, JAX_THEN_TF_IN_SOAK]
 
 JOB_DIR = os.path.join(ROOT, "jobs", "lora")
 # 14 steps an epoch (448 examples, batch 32), a checkpoint every 5 steps, written in line
@@ -50,25 +49,6 @@ def _job(tmp_path, backend: str) -> str:
     return str(path)
 
 
-def _start(job, run_dir, faults=()):
-    args = [a for f in faults for a in ("--fault", f)]
-    return subprocess.Popen([sys.executable, "-m", "orchestrator", "run", job, "--run-dir",
-                             str(run_dir), *args], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-
-
-def _finished(proc, run_dir):
-    out, _ = proc.communicate(timeout=400)
-    assert proc.returncode == 0, out
-    return Journal(str(run_dir / "events.jsonl")).events()
-
-
-def _one(events, name):
-    found = [e for e in events if e["event"] == name]
-    assert len(found) == 1, (name, found)
-    return found[0]
-
-
 def trainable_and_optimizer_bytes(job: str, backend: str) -> dict:
     """What LoRA changes from one checkpoint to the next, from the job's own model (built in a
     process of its own, on ``backend``): the trainable variables, and the optimizer's
@@ -96,10 +76,10 @@ print(json.dumps({{"trainable": size(model.trainable_variables),
 
 def test_the_lora_job_resumes_bit_identical_and_checkpoints_what_lora_trains(backend, tmp_path):
     job = _job(tmp_path, backend)
-    ref = _start(job, tmp_path / "ref")  # side by side: the kills are by step, not time
-    run = _start(job, tmp_path / "run", KILLS)
+    ref = start_run(job, tmp_path / "ref")  # side by side: the kills are by step, not time
+    run = start_run(job, tmp_path / "run", KILLS)
     sizes = trainable_and_optimizer_bytes(job, backend)
-    ref_events, events = _finished(ref, tmp_path / "ref"), _finished(run, tmp_path / "run")
+    ref_events, events = finished_run(ref, tmp_path / "ref"), finished_run(run, tmp_path / "run")
 
     assert len([e for e in events if e["event"] == "fault_injected"]) == 2
     ready = [e for e in events if e["event"] == "worker_ready"]
@@ -107,7 +87,7 @@ def test_the_lora_job_resumes_bit_identical_and_checkpoints_what_lora_trains(bac
     assert [(r["resumed_from_epoch"], r["resumed_from_batch"]) for r in ready] == [
         (0, 0), (0, 5), (1, 1)]  # both mid-epoch
     assert not [e for e in events if e["event"] == "resume_not_exact"]
-    done, ref_done = _one(events, "run_completed"), _one(ref_events, "run_completed")
+    done, ref_done = only_event(events, "run_completed"), only_event(ref_events, "run_completed")
     assert done["weights_sha256"] == ref_done["weights_sha256"]
     assert done["state_sha256"] == ref_done["state_sha256"]
     # LoRA froze the backbone: what trains is a small part of the model
