@@ -3,9 +3,9 @@ minute through a runtime recycled mid-run, with Drive's write-back cache simulat
 sees its own cache of Drive; the cloud gets a file once left alone for ``QUIET_S``, at
 ``BYTES_PER_S``; deletions at once; a recycle loses the cache: tests/fakes/drive_writeback.py).
 
-What "durable" must mean there: the second runtime resumes from a checkpoint at most (quiet
-period + upload time + one checkpoint interval) old, never from scratch while the cloud held
-one; the run ends with the weights of its uninterrupted run; and the cloud itself, not a cache
+What "durable" must mean there: the second runtime resumes from the newest complete checkpoint
+the cloud held when the first was recycled (read from the simulated cloud at that moment), never
+from scratch while the cloud held one; the run ends with the weights of its uninterrupted run; and the cloud itself, not a cache
 that went with its runtime, holds the final checkpoint and a journal ending with the run's
 completion.
 
@@ -45,7 +45,8 @@ WRITEBACK_JOB = (DIGITS_JOB.replace(_EARLY_STOPPING, "")
                  + "lock_stale_after: 3\nstandby: off\n")
 QUIET_S, BYTES_PER_S = 5.0, 20e6   # the issue measured 12 s and 20 MB/s
 RECYCLE_AFTER_S = 20.0             # after the first step (the issue: 45 s of a one-minute job)
-SYNC_SLACK_S = 2.0                 # the simulated sync's tick and scan, the read-back's time
+SYNC_SLACK_S = 5.0                 # the simulated sync's ticks and scans beside the suite's
+                                   # other processes (one is 0.1 s apart when idle)
 
 
 class Taps(threading.Thread):
@@ -113,6 +114,10 @@ def test_a_recycled_runtime_resumes_from_what_the_cloud_holds_with_drives_write_
             "the run ended before the recycle: give it more epochs"
         upload_s = _bytes_under(cache(home, first).joinpath(*RUN_IN_DRIVE)) / BYTES_PER_S
         assert sim(home, "_recycle", first).returncode == 0
+        # what the cloud holds now is all a new runtime can find (the first one's sync is gone
+        # with it; the second has not mounted yet)
+        at_recycle = CheckpointStore(str(cloud(home).joinpath(*RUN_IN_DRIVE, "checkpoints"))
+                                     ).latest_valid()
         recycled_at = time.time()
         out, _ = driver.communicate(timeout=600)
         ref_out, _ = reference.communicate(timeout=600)
@@ -134,12 +139,19 @@ def test_a_recycled_runtime_resumes_from_what_the_cloud_holds_with_drives_write_
     assert flushed and flushed[-1]["ok"], "Drive was not flushed before the runtime was stopped"
     assert [(h.session, h.why) for h in runtimes] == [(first, "lost"), (second, "completed")]
 
-    # 1. the second runtime resumed from a checkpoint at most quiet + upload + one interval old
-    owed_by = recycled_at - (QUIET_S + upload_s + SYNC_SLACK_S)
+    # 1. the second runtime resumed from the newest checkpoint the cloud held at the recycle
+    assert at_recycle is not None, \
+        (f"the cloud held no complete checkpoint {recycled_at - before[0]['ts']:.1f} s into the "
+         f"run (quiet {QUIET_S} s, upload {upload_s:.2f} s): recycle later")
     durable = [e for e in before if e["event"] == Event.CHECKPOINT_DURABLE]
-    owed = [e for e in durable if e["ts"] <= owed_by]
-    assert owed, f"no checkpoint was durable {QUIET_S + upload_s + SYNC_SLACK_S:.1f} s before " \
-                 f"the recycle: recycle later"
+    assert durable and max(e["step"] for e in durable) >= at_recycle.step
+    # ... and that one is at most (quiet period + upload + slack) older than the newest copy
+    # the first runtime had written: nothing of ours kept the sync from uploading it
+    owed = [e["step"] for e in durable
+            if e["ts"] <= recycled_at - (QUIET_S + upload_s + SYNC_SLACK_S)]
+    assert at_recycle.step >= max(owed, default=0), \
+        (f"the cloud held step {at_recycle.step} at the recycle, although step {max(owed)} was "
+         f"written more than {QUIET_S + upload_s + SYNC_SLACK_S:.1f} s before it")
     mine = taps.events[second]
     start = max(i for i, e in enumerate(mine) if e["event"] in (Event.RUN_STARTED,
                                                                  Event.RUN_RESUMED))
@@ -151,10 +163,10 @@ def test_a_recycled_runtime_resumes_from_what_the_cloud_holds_with_drives_write_
     assert settled and settled[0]["how"] == "mount", "the new mount settled what the cloud held"
     for lost in (e for e in mine[start:] if e["event"] == Event.DURABLE_LOST):
         assert lost["steps"][0] == ready["resumed_from_step"] + 1, lost
-    assert ready["resumed_from_step"] >= max(e["step"] for e in owed) > 0, \
-        (f"resumed from step {ready['resumed_from_step']}, although the checkpoint of step "
-         f"{max(e['step'] for e in owed)} was durable at {recycled_at - owed[-1]['ts']:.1f} s "
-         f"before the recycle (quiet {QUIET_S} s, upload {upload_s:.2f} s)")
+    assert ready["resumed_from_step"] >= at_recycle.step > 0, \
+        (f"resumed from step {ready['resumed_from_step']}, although the cloud held the "
+         f"checkpoint of step {at_recycle.step} when the first runtime was recycled; skipped: "
+         f"{[e for e in mine[start:] if e['event'] == Event.CHECKPOINT_SKIPPED]}")
 
     # 2. the weights of the uninterrupted run; 3. in the cloud: the journal that ends with the
     # run's completion, and the final checkpoint
