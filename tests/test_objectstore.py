@@ -111,7 +111,6 @@ def test_bytes_changed_in_the_servers_storage_are_refused_on_read(server, tmp_pa
         place.open_read("blobs/bb/y")
 
 
-@pytest.mark.skipif(not os.environ.get("ORCHESTRATOR_SOAK"), reason="a soak test (ORCHESTRATOR_SOAK=1): beside the suite's other processes on 2 cores it raced (issue 36's note: a run that completed before its third kill; the GCS emulator answering a write with another object's CRC32C after its restart)")
 def test_a_server_stopped_for_10_s_is_an_outage_a_retried_write_loop_survives(server, tmp_path):
     """Writes go on while the server is down for 10 s, under the mirror's retry policy (retry
     on OSError, exponential backoff): every object written reads back afterwards. On S3 the
