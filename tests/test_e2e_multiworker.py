@@ -51,7 +51,7 @@ import tempfile
 
 import pytest
 
-from helpers import ROOT, live, once_per_session, wait_while_running
+from helpers import ROOT, SOAK, live, once_per_session, wait_while_running
 from orchestrator.core import heartbeat
 from orchestrator.core.journal import Journal
 from orchestrator.core.procid import ProcessIdentity, signal_proven
@@ -323,6 +323,7 @@ def _fault_in_epoch_2(job, run, fault, kind, reference):
     return events
 
 
+@SOAK  # a group's failure on the local engine: the JAX rank's error below
 def test_local_engine_a_hung_rank_stops_the_group_and_it_ends_bit_identical(tmp_path,
                                                                             reference):
     """A rank hangs; the other blocks in a collective, rank 0's heartbeat stops, the group is
@@ -334,6 +335,7 @@ def test_local_engine_a_hung_rank_stops_the_group_and_it_ends_bit_identical(tmp_
     assert hang["attempt"] == 1 and len(hang["workers"]) == 2
 
 
+@SOAK  # a lost node and the group's restart on Ray: the chief-lost case below
 def test_ray_three_nodes_a_hung_rank_0_a_killed_rank_1_a_lost_node_end_bit_identical(
         shared_dir, reference, ray_cluster):
     """On the three-node cluster (no rank on the head, a private /tmp per node): rank 0 hangs
@@ -484,6 +486,7 @@ def test_jax_local_engine_a_rank_s_error_stops_the_group_and_it_ends_bit_identic
     assert all(c.startswith("127.0.0.1:") for c in coordinators)
 
 
+@SOAK  # JAX's group on the local engine above; Ray's groups with the chief-lost case below
 def test_ray_jax_three_nodes_a_failed_rank_1_ends_bit_identical(shared_dir, reference_jax,
                                                                  ray_cluster):
     """JAX on the three-node cluster: the 2 ranks are one ``jax.distributed`` program whose
@@ -543,7 +546,8 @@ def _epochs_heard_live(run) -> list[tuple[int, float]]:
     return out
 
 
-@pytest.mark.parametrize("chief_node_stopped", [False, True], ids=["no-fault", "chief-lost"])
+@pytest.mark.parametrize("chief_node_stopped", [pytest.param(False, marks=SOAK), True],
+                         ids=["no-fault", "chief-lost"])  # the epoch before the loss is one
 def test_ray_three_nodes_each_epoch_is_journaled_as_its_checkpoint_commits(
         shared_dir, ray_cluster, chief_node_stopped):
     """The chief on another node than the supervisor's (#38): its commits reach the

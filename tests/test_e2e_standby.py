@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from helpers import BOTH_BACKENDS, ROOT, live, wait_until
+from helpers import JAX_THEN_TF_IN_SOAK, ROOT, live, wait_until
 from test_e2e import DIGITS_JOB, digits_reference, write_job_files  # noqa: F401
 from orchestrator.core import heartbeat
 from orchestrator.core.journal import Journal
@@ -101,7 +101,7 @@ def _ev(events, name):
 SLOW_WRITE = "delay-checkpoint@checkpoint=2,for=90"
 
 
-@BOTH_BACKENDS
+@JAX_THEN_TF_IN_SOAK
 def test_kills_mid_epoch_between_epochs_and_during_a_write_recover_warm_bit_identical(
         tmp_path, backend, digits_reference):
     ref_events = digits_reference["events"]
@@ -182,7 +182,7 @@ def _zombie(pid):
         return True
 
 
-@BOTH_BACKENDS
+@JAX_THEN_TF_IN_SOAK
 def test_a_standby_promoted_before_any_checkpoint_trains_as_a_cold_worker_would(tmp_path,
                                                                                 backend):
     """Its traced step is undone: promoted with no checkpoint, it starts from the very state a
