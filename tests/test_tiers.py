@@ -356,3 +356,28 @@ def test_the_supervisors_bookkeeping_hashes_a_checkpoint_once_a_restore_every_ti
     with open(_blob(tiers.local, 1), "r+b") as f:
         f.write(b"X")  # same size; a new mtime
     assert ledger.latest() is None and hashed
+
+
+def test_an_error_that_is_no_outage_is_journaled_once_and_the_mirror_lives_on(tiers, tmp_path,
+                                                                              monkeypatch):
+    """Not an OSError (a storage library's own exception type, a bug): before, the mirror's
+    thread died of it and nothing was uploaded again, unseen."""
+    m, journal = _mirror(tiers, tmp_path)
+    real, calls = tiers.durable.commit_copy, []
+
+    def fails_twice(c):
+        calls.append(c.step)
+        if len(calls) <= 2:
+            raise ValueError("a library's own error")
+        return real(c)
+
+    monkeypatch.setattr(tiers.durable, "commit_copy", fails_twice)
+    _commit(tiers, 1)
+    m.start()
+    assert m.flush(30) == []
+    assert m.running and calls == [1, 1, 1]
+    m.stop()
+    assert _durable_verified(tiers) == [1]
+    failed = _events(journal, "durable_mirror_failed")
+    assert [e["error"] for e in failed] == ["ValueError: a library's own error"]
+    assert failed[0]["retry_in_s"] == 0.01

@@ -8,8 +8,13 @@ durable tier fails (``Transport endpoint is not connected``, ``Input/output erro
 the folder gone), tenacity retries with exponential backoff, the backlog is journaled, the
 remount hook is called for a lost mount, and everything due is flushed once the tier is back.
 
+An error that is no outage (not an OSError) must not end the thread either: the uploads would
+stop unseen while training goes on. It is journaled and logged with its traceback, and the
+pass is tried again after the same backoff.
+
 Journal events: ``checkpoint_durable``, ``durable_unreachable``, ``durable_backlog``,
-``durable_restored``, ``remount``, ``checkpoint_skipped`` (source mirror), ``checkpoints_retired``.
+``durable_restored``, ``durable_mirror_failed``, ``remount``, ``checkpoint_skipped`` (source
+mirror), ``checkpoints_retired``.
 """
 from __future__ import annotations
 
@@ -79,6 +84,8 @@ class DurableMirror:
         self.settling = settling or Settling(Immediate(), journal, store.durable.root, clock)
         self.max_bytes = max_bytes
         self._capped: tuple | None = None  # the last durable_cap journaled
+        self._failed_passes = 0  # passes in a row that raised an error that is no outage
+        self._journaled_failure: str | None = None
 
     # ---------------------------------------------------------------- control
     def start(self) -> "DurableMirror":
@@ -172,10 +179,30 @@ class DurableMirror:
                 pending = self._pass()
             except _Stopped:
                 return
+            except Exception as exc:  # noqa: BLE001 - journaled, logged, and the pass retried
+                self._unexpected(exc)
+                continue
+            self._failed_passes = 0
             with self._cond:
                 if not pending:
                     self._clean_pass = this_pass
                     self._cond.notify_all()
+
+    def _unexpected(self, exc: Exception) -> None:
+        """A pass raised an error that is no outage: say so (once per error text), then wait
+        the backoff before the next pass (sooner when told to stop)."""
+        self._failed_passes += 1
+        delay = min(self.backoff_max, self.backoff_initial * 2 ** (self._failed_passes - 1))
+        error = f"{type(exc).__name__}: {exc}"
+        if error != self._journaled_failure:
+            self._journaled_failure = error
+            log.error(f"durable mirror: a pass failed ({error}); checkpoints stay in "
+                      f"{self.store.local.root}, retrying in {delay:.1f} s", exc_info=exc)
+            self.journal.append(Event.DURABLE_MIRROR_FAILED, error=error,
+                                retry_in_s=round(delay, 3))
+        with self._cond:
+            self._wanted += 1  # the next pass is due after the backoff, asked or not
+        self.clock.wait(self._stop, delay)
 
     def _pass(self) -> list[Checkpoint]:
         """One pass: learn the durable tier, upload the backlog, apply retention. Every step

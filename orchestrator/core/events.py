@@ -148,6 +148,11 @@ class Event:
     DURABLE_RESTORED = "durable_restored"
     #: checkpoints not yet durable
     DURABLE_BACKLOG = "durable_backlog"
+    #: a pass of the durable mirror raised an error that is no outage (not an OSError: a
+    #: library's own exception type, a bug): ``error``, ``retry_in_s``; the mirror lives on and
+    #: tries again (journaled once per error text; the checkpoints stay local meanwhile,
+    #: ``durable_backlog`` says which)
+    DURABLE_MIRROR_FAILED = "durable_mirror_failed"
     #: the remount hook ran
     REMOUNT = "remount"
     #: the model for inference was written
