@@ -235,6 +235,42 @@ def test_a_factory_typeerror_is_the_jobs_and_stops_at_once(fake_job, tmp_path):
         "TypeError: build() got an unexpected keyword argument 'widht'"
 
 
+# TensorFlow's record of an out-of-memory error, as the worker writes it
+OOM = {"type": "ResourceExhaustedError", "message": "OOM when allocating tensor with "
+       "shape[64,3,224,224] and type float on /job:localhost/replica:0/task:0/device:GPU:0"}
+
+
+def test_out_of_memory_halves_the_batch_when_allowed_and_it_sticks(fake_job):
+    job = fake_job(epochs=2, extra=_extra(CPU, "recovery: {halve_batch: true}"))
+    rc, events, engine, _ = run(job, {"error": {"1": OOM, "2": OOM}})
+    assert rc == 0
+    assert [(e["action"], e["batch_size"]) for e in _ev(events, "recovery")] == [
+        ("halve_batch", 4), ("halve_batch", 2)]
+    assert [env.get("ORCHESTRATOR_BATCH_SIZE") for env in engine.envs] == [None, "4", "2"]
+
+
+def test_out_of_memory_without_the_opt_in_restarts_once_then_gives_up_with_a_report(
+        fake_job):
+    rc, events, engine, _ = run(fake_job(epochs=2, extra=CPU), {"error": {"1": OOM, "2": OOM}})
+    assert rc == 1 and len(engine.spawned) == 2
+    assert [e["action"] for e in _ev(events, "recovery")] == ["restart", "give_up"]
+    assert "skipped halve_batch: not enabled" in _ev(events, "recovery")[0]["detail"]
+    failed = _ev(events, "run_failed")[0]
+    assert failed["kind"] == "out_of_memory" and failed["tried"] == ["restart"]
+    assert failed["evidence"].startswith("ResourceExhaustedError: OOM when allocating")
+
+
+def test_a_user_error_stops_at_once_with_a_final_report(fake_job, said):
+    rc, events, engine, _ = run(fake_job(epochs=2, extra=CPU), {"error": {"1": {
+        "type": "ValueError", "message": "Please provide a TPU Name to connect to."}}})
+    assert rc == 1 and engine.spawned == [(1, 0)]
+    failed = _ev(events, "run_failed")[0]
+    assert (failed["kind"], failed["tried"]) == ("user_error", [])
+    assert failed["evidence"] == "ValueError: Please provide a TPU Name to connect to."
+    assert any("kind: user_error" in line for line in said)
+    assert any("tried: nothing" in line for line in said)
+
+
 def test_an_unknown_exit_is_restarted(fake_job):
     rc, events, _, _ = run(fake_job(epochs=3, extra=CPU), {"exit_at_epoch": {"1": [2, 3]}})
     assert rc == 0
