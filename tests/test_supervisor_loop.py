@@ -325,3 +325,24 @@ def test_an_action_that_needs_a_fresh_process_discards_the_standby(fake_job):
     assert [e["path"] for e in started] == ["cold", "cold"]
     assert started[1]["cold_reason"] == "no standby was up"
     assert not _ev(events, "standby_promoted")
+
+
+def test_a_completed_run_leaves_no_blob_that_no_kept_checkpoint_names(fake_job):
+    """Retention keeps an unnamed blob for a minute (the storage's clock may differ from
+    ours): a run that checkpoints more often than that ended with the blobs of every
+    checkpoint it had deleted in its last minute. Here: one deleted just before the run."""
+    import numpy as np
+
+    from orchestrator.checkpoint import tiers
+
+    assert run(fake_job(epochs=1, extra=CPU))[0] == 0
+    job = fake_job(epochs=2, extra=CPU)  # one epoch more: the run resumes
+    local = tiers.for_spec(load(job)).local
+    gone = local.commit(7, None, {"epoch": 0, "batch": 7, "metrics": {}},
+                        arrays={"w": np.arange(64, dtype="float32")})
+    local.remove(gone)
+    assert local.collect_blobs() == []  # younger than the grace: retention keeps it
+    rc, events, _, _ = run(job)
+    assert rc == 0 and _epochs(events) == [1, 2]
+    on_disk = {n for _, _, names in os.walk(os.path.join(local.root, "blobs")) for n in names}
+    assert on_disk == set() == local.named_blobs()

@@ -105,12 +105,14 @@ class BlobSet:
                         write_chunk(f, data)
                     self.vouch(h)
 
-    def collect(self, named_blobs: Callable[[], set[str]]) -> list[str]:
+    def collect(self, named_blobs: Callable[[], set[str]],
+                grace_s: float | None = None) -> list[str]:
         """Delete the blobs no directory names, written before this collection began (less
-        the grace). A commit in flight names its blobs (``refs``) before it writes or reuses
-        any, the names are read again just before the deletions, and the commit checks its
-        blobs again before its rename: a concurrent commit never loses one. Returns the
-        hashes deleted."""
+        the grace: ``grace_s``, else the set's). A commit in flight names its blobs (``refs``)
+        before it writes or reuses any, the names are read again just before the deletions,
+        and the commit checks its blobs again before its rename: a concurrent commit never
+        loses one. Returns the hashes deleted."""
+        grace = self.grace_s if grace_s is None else grace_s
         began = time.time()
         named = named_blobs()
         unnamed = []
@@ -121,7 +123,7 @@ class BlobSet:
                     _remove_if_dead_writer(self.place, key, name)
                     continue
                 mtime = self.place.mtime(key)
-                if name not in named and mtime is not None and mtime < began - self.grace_s:
+                if name not in named and mtime is not None and mtime < began - grace:
                     unnamed.append(name)
         named = named_blobs()  # a commit that began meanwhile
         removed = [h for h in unnamed if h not in named]

@@ -257,9 +257,10 @@ class CheckpointStore:
             self.collect_blobs()
         return removed
 
-    def collect_blobs(self) -> list[str]:
-        """Delete the blobs no checkpoint or commit in flight names (BlobSet.collect)."""
-        return self.blobs.collect(self.named_blobs)
+    def collect_blobs(self, grace_s: float | None = None) -> list[str]:
+        """Delete the blobs no checkpoint or commit in flight names (BlobSet.collect);
+        ``grace_s``: 0 once no one else can be writing (the end of a completed run)."""
+        return self.blobs.collect(self.named_blobs, grace_s)
 
     def remove(self, c: Checkpoint) -> None:
         """Delete one checkpoint's directory (its blobs go at the next ``collect_blobs``)."""

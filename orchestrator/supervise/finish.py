@@ -47,6 +47,7 @@ class RunEnd:
                  f"{counters['restarts']} restart(s) this session; weights sha256 {fp}")
         self._export(final)
         self._tidy_export()
+        self._tidy_blobs()
         return 0
 
     def failed(self, outcome: Outcome, decision: Decision, evidence: str | None, epoch: int,
@@ -93,6 +94,22 @@ class RunEnd:
                          f"export that was killed half-way")
         except OSError as exc:  # the run directory went away: the next completed run tidies
             log.info(f"could not tidy the export's leftovers in {self.rd.root}: {exc}")
+
+    def _tidy_blobs(self) -> None:
+        """Delete the blobs no kept checkpoint names, in both tiers, with no grace: retention
+        keeps a blob younger than a minute (the storage's clock may differ from ours), so a
+        run that checkpoints more often than that ended with the blobs of every checkpoint it
+        had deleted in its last minute (measured: 7.1 GB for 2.5 GB kept, a 1.26 GB state).
+        Here every worker has exited, and the lease keeps any other supervisor out."""
+        for tier in (self.mirror.store.local, self.mirror.store.durable):
+            try:
+                removed = tier.collect_blobs(grace_s=0.0)
+            except OSError as exc:  # a tier gone away: the next run's retention collects them
+                log.info(f"could not remove the unused blobs of {tier.root}: {exc}")
+                continue
+            if removed:
+                log.info(f"removed {len(removed)} blob(s) that no kept checkpoint names from "
+                         f"{tier.root}")
 
     def _export(self, final) -> None:
         """Export the final model for inference in a separate process (it imports TF), unless
