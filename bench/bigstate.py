@@ -13,9 +13,12 @@ manifest), and the ``bytes_uploaded`` of ``checkpoint_durable`` where the format
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import time
 
+from orchestrator.checkpoint import blobs
+from orchestrator.checkpoint.store import CheckpointStore
 from orchestrator.core import backends as core_backends
 from orchestrator.core.journal import Journal
 
@@ -61,16 +64,23 @@ def prepare(cfg, work: str, backends: tuple) -> dict:
     return out
 
 
-def dd_seconds(path: str) -> tuple[float, int]:
-    """(seconds, bytes) for ``dd`` reading every file of a checkpoint folder to /dev/null: the
-    disk's (or the page cache's, as for the restore that read it just before) rate."""
+def restore_files(tier: str, c) -> list[str]:
+    """Every file a restore of checkpoint ``c`` of ``tier`` reads: its folder's, and each blob
+    its manifest names, once (docs/checkpoint-format.md)."""
+    own = [os.path.join(c.path, n) for n in sorted(os.listdir(c.path))
+           if os.path.isfile(os.path.join(c.path, n))]
+    chunks = sorted({h for r in c.array_refs.values() for h, _ in r.chunks})
+    return own + [os.path.join(tier, blobs.blob_key(h)) for h in chunks]
+
+
+def dd_seconds(paths: list[str]) -> tuple[float, int]:
+    """(seconds, bytes) for ``dd`` reading each file to /dev/null: the disk's (or the page
+    cache's, as for the restore that read it just before) rate."""
     t0, total = time.perf_counter(), 0
-    for name in sorted(os.listdir(path)):
-        p = os.path.join(path, name)
-        if os.path.isfile(p):
-            total += os.path.getsize(p)
-            subprocess.run(["dd", f"if={p}", "of=/dev/null", "bs=8M"], capture_output=True,
-                           check=True)
+    for p in paths:
+        total += os.path.getsize(p)
+        subprocess.run(["dd", f"if={p}", "of=/dev/null", "bs=8M"], capture_output=True,
+                       check=True)
     return round(time.perf_counter() - t0, 3), total
 
 
@@ -87,7 +97,8 @@ def _ours(run_dir: str) -> dict:
                             os.walk(tier) for n in names) if kept else None
     out["tier_checkpoints"] = len(kept)
     if kept:
-        out["dd_s"], out["dd_bytes"] = dd_seconds(os.path.join(tier, kept[-1]))
+        newest = CheckpointStore(tier).list()[-1]
+        out["dd_s"], out["dd_bytes"] = dd_seconds(restore_files(tier, newest))
     return out
 
 
@@ -116,12 +127,26 @@ def run(cfg, work: str, backends: tuple, say) -> dict:
                                    orbax=arm == "orbax", timeout=cfg.bigstate_timeout_s,
                                    env=env)
             out[b]["jobs"].setdefault(job, {})[arm] = r
+            _free(where)
             say(f"bigstate {job} {b} {arm}: rc {r['rc']}, {r['wall_s']:.1f} s wall, training "
                 f"{r.get('train_s')} s, peak RSS {r.get('worker_peak_rss_mb') or r.get('peak_rss_mb')}"
                 f" MiB, stalls {(r.get('checkpoints') or {}).get('stall_ms') or (r.get('saves') or {}).get('ms')}")
     for b in backends:
         out[b]["model"] = {job: model_bytes(dict(cfg_args(cfg)), job == "frozen") for job in JOBS}
     return out
+
+
+def _free(where: str) -> None:
+    """Delete an arm's checkpoints, export and saves once measured (its journal stays), and
+    our local tier: the full bench wrote ~77 GB when each arm kept its own (the machine has
+    less to spare)."""
+    journal = os.path.join(where, "events.jsonl")
+    local = {os.path.dirname(os.path.dirname(e["path"]))
+             for e in (Journal(journal).events() if os.path.exists(journal) else ())
+             if e.get("event") == "checkpoint_committed" and e.get("path")}
+    for d in [os.path.join(where, n) for n in os.listdir(where)
+              if os.path.isdir(os.path.join(where, n)) and n != "attempts"] + sorted(local):
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def cfg_args(cfg) -> dict:

@@ -756,3 +756,25 @@ def test_bigstate_targets_judge_our_arm_against_the_plain_ones_of_the_same_run()
     assert rows["kill -> next first step vs cold start"]["passed"] is False  # 1.25x
     md = "\n".join(bigstate.markdown(bigstate.summary(part), targets.bigstate_rows))
     assert "#### trained, tensorflow" in md and "**FAIL**" in md and "1.250x" in md
+
+
+def test_bigstate_dd_reads_the_blobs_a_checkpoint_names_not_only_its_folder(tmp_path):
+    """Format 2 keeps a checkpoint's arrays in its tier's blobs/, shared between checkpoints:
+    ``dd`` of the folder alone read a few hundred bytes (the bench said "0 MiB")."""
+    import numpy as np
+
+    from bench import bigstate
+    from orchestrator.checkpoint.store import CheckpointStore
+
+    tier = str(tmp_path / "checkpoints")
+    store = CheckpointStore(tier)
+    same = np.arange(1000, dtype="float32")
+    store.commit(1, None, {"epoch": 1, "batch": 0, "metrics": {}},
+                 arrays={"a": same, "b": np.ones(500, dtype="float32")})
+    store.commit(2, None, {"epoch": 2, "batch": 0, "metrics": {}},
+                 arrays={"a": same, "b": np.zeros(500, dtype="float32")})
+    newest = store.list()[-1]
+    files = bigstate.restore_files(tier, newest)
+    named = [f for f in files if f.startswith(os.path.join(tier, "blobs"))]
+    assert len(named) == 2 and all(os.path.exists(f) for f in files)
+    assert sum(os.path.getsize(f) for f in named) == same.nbytes + 500 * 4
