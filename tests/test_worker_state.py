@@ -272,3 +272,17 @@ def test_a_sigterm_during_a_skipped_periodic_checkpoint_still_saves_the_step_it_
     assert stopped.value.step == 4
     assert [c.step for c in store.list()] == [2, 4]
     assert store.list()[-1].manifest["batch"] == 4
+
+
+def test_a_snapshot_is_a_copy_the_training_leaves_alone_held_in_buffers_the_next_one_reuses():
+    m = _model()
+    snap = state.Snapshot(m)
+    first = snap.take()
+    before = {k: a.copy() for k, a in first.items()}
+    m.fit(X, Y, batch_size=32, epochs=1, verbose=0)  # one step: the weights and iterations move
+    assert all(np.array_equal(first[k], before[k]) for k in first), "a view of the variables"
+    second = snap.take()
+    assert all(second[k] is first[k] for k in first), "host buffers allocated again"
+    now = state.capture(m)
+    assert all(np.array_equal(second[k], now[k]) for k in second)
+    assert any(not np.array_equal(second[k], before[k]) for k in second)

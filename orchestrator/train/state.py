@@ -210,7 +210,12 @@ class Snapshot:
     training changes the variables. Without a distribution strategy all variables are read by
     one compiled function (one call instead of one per variable); distributed variables (TPU,
     several replicas) are read one by one, as ``capture`` does. The arrays are copies, never
-    views of TensorFlow's buffers, which the next step may update in place.
+    views of the framework's buffers, which the next step may update in place (or JAX donate).
+
+    The copies go into host buffers kept from one snapshot to the next: a snapshot is valid
+    until the next ``take``, which the writer admits only once the previous write is done.
+    A fresh 1.26 GB allocation per checkpoint cost its page faults in the stall, 3-6 s beside
+    the page cache that the checkpoint files fill (BENCHMARKS.md, issue 37).
 
     The layout (keys, description, which keys are the weights) is recomputed only when the set
     of variables changes (an optimizer built late). ``compiled=False`` (checkpoints written in
@@ -228,6 +233,7 @@ class Snapshot:
         self.holders: dict[str, dict] = {}   # state.layout: the manifest's ``holders``
         self.outside: list[str] = []          # what holders.discover saw no checkpoint holds
         self._read = None
+        self._buffers: dict[str, np.ndarray] = {}  # the host copies, reused (``_copy``)
 
     def _discover(self) -> holders.Found:
         """The walk (holders.discover) again only when the model's variables or the global
@@ -260,14 +266,16 @@ class Snapshot:
         return variables
 
     def warm(self) -> None:
-        """Trace the compiled reader now (about 60 ms for ResNet-20), not in the first
-        checkpoint's stall; the worker runs this in the writer's thread as training begins."""
+        """Trace the compiled reader now (about 60 ms for ResNet-20) and fill the host buffers
+        once (their page faults), not in the first checkpoint's stall; the worker runs this in
+        the writer's thread as training begins."""
         if not backends.current().traced_reader:  # nothing to trace (JAX)
             return
         with self._lock:
             self._layout()
             if self._read is not None:
-                self._read()  # traced and run once; the values are thrown away
+                for k, a in zip(self.keys, self._read()):  # traced and run once
+                    self._copy(k, a)
 
     def take(self) -> dict[str, np.ndarray]:
         with self._lock:
@@ -276,7 +284,17 @@ class Snapshot:
                 values = self._read()
             else:
                 values = [v.numpy() for v in variables]
-            return {k: np.array(a, copy=True) for k, a in zip(self.keys, values)}
+            return {k: self._copy(k, a) for k, a in zip(self.keys, values)}
+
+    def _copy(self, key: str, value) -> np.ndarray:
+        """``value`` copied into ``key``'s host buffer, allocated again only when its shape or
+        dtype changed."""
+        a = np.asarray(value)
+        buf = self._buffers.get(key)
+        if buf is None or buf.shape != a.shape or buf.dtype != a.dtype:
+            buf = self._buffers[key] = np.empty(a.shape, a.dtype)
+        np.copyto(buf, a)
+        return buf
 
     def fingerprints(self, refs: dict[str, blobs.ArrayRef]) -> tuple[str, str]:
         """(weights sha256, state sha256) of a snapshot from the hashes its commit writes its

@@ -95,7 +95,9 @@ class TensorFlowBackend:
 
     def reader(self, variables):
         """One ``tf.function`` returning every variable's value (one call instead of one per
-        variable); None for distributed variables, which are read one by one."""
+        variable) as tensors, which ``np.asarray`` views without a copy (``.numpy()`` copies
+        into fresh memory: 0.5 s of page faults for 1.26 GB, before the snapshot's own copy);
+        None for distributed variables, which are read one by one."""
         import tensorflow as tf
 
         raw = [getattr(v, "value", v) for v in variables]
@@ -103,7 +105,7 @@ class TensorFlowBackend:
                 or tf.distribute.has_strategy():
             return None
         fn = tf.function(lambda: [tf.identity(r) for r in raw])
-        return lambda: [t.numpy() for t in fn()]
+        return fn
 
     def can_export_saved_model(self) -> str | None:
         return None
