@@ -4,6 +4,7 @@ import os
 import threading
 import time
 
+import numpy as np
 import pytest
 
 import ckarrays
@@ -124,6 +125,37 @@ def test_restore_takes_the_newest_copy_that_verifies_in_either_tier(tiers, tmp_p
     got = tiers.latest_valid(on_skip=lambda c, why: skipped.append((c.step, why)))
     assert got.step == 2 and tiers.verify(got.path) is None
     assert [s for s, _ in skipped] == [3, 3] and "size 100 != 6000" in skipped[1][1]
+
+
+def test_a_restore_reads_the_newest_intact_copy_hashing_each_blob_once_as_it_reads(
+        tiers, tmp_path, monkeypatch):
+    from orchestrator.checkpoint.blobset import BlobSet
+
+    m, _ = _mirror(tiers, tmp_path)
+    for s in (1, 2, 3):
+        _commit(tiers, s)
+    m.start()
+    assert m.flush(30) == []
+    m.stop()
+    hashed = []
+    real = BlobSet.hashes_right
+    monkeypatch.setattr(BlobSet, "hashes_right", lambda self, h: hashed.append(h) or real(self, h))
+    got, arrays = tiers.latest_read()
+    assert got.path == tiers.local.path_for(3) and hashed == []  # read_arrays hashes them
+    assert all(np.array_equal(arrays[k], v) for k, v in _arrays("step 3").items())
+    # the local copy corrupt: skipped as latest_valid says, the durable copy of 3 is read
+    h = ckarrays.blob_hash(tiers.local.list()[-1])
+    with open(_blob(tiers.local, 3), "r+b") as f:
+        f.write(b"X")
+    skipped = []
+    got, arrays = tiers.latest_read(on_skip=lambda c, why: skipped.append((c.path, why)))
+    assert got.path == tiers.durable.path_for(3)
+    assert skipped == [(tiers.local.path_for(3), f"blob {h} of model.0000: checksum mismatch")]
+    # the durable copy truncated too: step 2; a group's named step 3: none
+    with open(_blob(tiers.durable, 3), "r+b") as f:
+        f.truncate(100)
+    assert tiers.latest_read()[0].step == 2
+    assert tiers.latest_read(step=3) == (None, {})
 
 
 def test_restore_uses_the_local_tier_while_drive_is_not_connected(tiers):

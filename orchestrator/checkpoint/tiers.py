@@ -14,6 +14,7 @@ import os
 import time
 from typing import Callable
 
+from orchestrator.checkpoint.blobs import BlobError
 from orchestrator.checkpoint.objectstore import FsspecPlace, is_object_store
 from orchestrator.checkpoint.store import Checkpoint, CheckpointStore, Retention, as_retention
 from orchestrator.core.osutil import write_json_atomic
@@ -131,6 +132,28 @@ class TieredStore:
                 if on_skip:
                     on_skip(c, reason)
         return None
+
+    def latest_read(self, on_skip: Callable[[Checkpoint, str], None] | None = None,
+                    step: int | None = None) -> tuple[Checkpoint | None, dict]:
+        """As ``latest_valid``, with the checkpoint's arrays: the copy's manifest, marker and
+        blob sizes are checked, then its arrays read, each blob hashed as it is read; a blob
+        that does not match skips that copy as ``latest_valid`` would. A restore reads and
+        hashes the state once, where verifying and then reading did it twice. (None, {}):
+        no copy reads back."""
+        for s, cs in sorted(self.copies().items(), reverse=True):
+            if step is not None and s != step:
+                continue
+            for c in cs:
+                tier = c.tier or self.local
+                reason = tier.verify(c.path, rehash=set())  # no blob hashed: read_arrays does
+                if reason is None:
+                    try:
+                        return c, tier.read_arrays(c.path)
+                    except (BlobError, OSError, ValueError) as exc:
+                        reason = str(exc).removeprefix(f"{c.path}: ")
+                if on_skip:
+                    on_skip(c, reason)
+        return None, {}
 
 
 def set_aside_local(store: TieredStore) -> tuple[str, int] | None:

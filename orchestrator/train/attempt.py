@@ -209,15 +209,14 @@ def restore(prep: Prepared, attempt: Attempt) -> Restored:
     store = injector.wrap_store(own)  # commits: local tier
     store.remove_partial()
     skipped = []
-    latest = resume.restore_point(store, rank, skipped)
+    latest, arrays = resume.restore_point(store, rank, skipped)  # hashed as it is read
     for c, why in skipped:
         journal.append(Event.CHECKPOINT_SKIPPED, source="worker", attempt=attempt.number,
                        step=c.step, path=c.path, reason=why)
     at = resume.plan(latest.manifest if latest else None, global_batch=prep.global_batch,
                      steps_per_epoch=prep.steps_per_epoch, deterministic=spec.deterministic)
-    arrays, restored_sha256 = {}, None
+    restored_sha256 = None
     if latest is not None:
-        arrays = state.load_arrays(latest)  # hashed as it is read
         restored_sha256 = _load(prep, latest, arrays, at, states)
     attempt.marks["restored"] = round(time.time() - attempt.t_start, 3)
     return Restored(prep, attempt, journal, own, store, injector, states, latest, at, arrays,

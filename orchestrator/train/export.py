@@ -47,7 +47,7 @@ def export(run_dir: str, out: str | None = None) -> dict:
     spec = load(layout.job_copy, run_dir=layout.root, backend=info.get("backend"))
     spec = dataclasses.replace(spec, job_dir=os.path.dirname(info.get("job_path")
                                                              or layout.job_copy))
-    latest = tiers.for_spec(spec).latest_valid(
+    latest, arrays = tiers.for_spec(spec).latest_read(
         on_skip=lambda c, why: log.info(f"skipped {c.path}: {why}"))
     if latest is None:
         raise ExportError(f"{layout.root}: no checkpoint verifies; nothing to export")
@@ -60,7 +60,7 @@ def export(run_dir: str, out: str | None = None) -> dict:
         model(x, training=False)
     if model.optimizer is not None:
         model.optimizer.build(model.trainable_variables)
-    state.restore(model, state.load_arrays(latest), latest.manifest.get("holders"))
+    state.restore(model, arrays, latest.manifest.get("holders"))
     return write(model, spec, latest, out or layout.export)
 
 

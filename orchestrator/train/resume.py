@@ -70,18 +70,19 @@ def plan(manifest: dict | None, *, global_batch: int, steps_per_epoch: int,
 
 
 def restore_point(store, rank: int, skipped: list):
-    """The checkpoint to restore: the newest that verifies; in a group, exactly the step the
-    supervisor names for every rank (ENV_RESTORE_STEP; empty: start afresh)."""
+    """The checkpoint to restore and its arrays (None, {}: none): the newest that reads back
+    intact (``TieredStore.latest_read``); in a group, exactly the step the supervisor names
+    for every rank (ENV_RESTORE_STEP; empty: start afresh)."""
     import os
 
     step = os.environ.get(ENV_RESTORE_STEP)
     on_skip = lambda c, why: skipped.append((c, why))  # noqa: E731
     if step is None:
-        return store.latest_valid(on_skip=on_skip)
+        return store.latest_read(on_skip=on_skip)
     if not step:
-        return None
-    found = store.latest_valid(on_skip=on_skip, step=int(step))
-    if found is None:
+        return None, {}
+    found = store.latest_read(on_skip=on_skip, step=int(step))
+    if found[0] is None:
         raise JobError(
             f"rank {rank} on host {os.uname().nodename} cannot see checkpoint step {step} in "
             f"{store.local.root} or {store.durable.root}: every worker of a group must reach "
