@@ -103,13 +103,18 @@ def test_local_retention_never_deletes_a_checkpoint_that_is_not_durable(tiers):
 
 
 # ------------------------------------------------------------------ restore across tiers
-def test_restore_takes_the_newest_copy_that_verifies_in_either_tier(tiers, tmp_path):
+def _three_in_both_tiers(tiers, tmp_path):
+    """Steps 1-3 committed and mirrored: a copy of each in both tiers."""
     m, _ = _mirror(tiers, tmp_path)
     for s in (1, 2, 3):
         _commit(tiers, s)
     m.start()
     assert m.flush(30) == []
     m.stop()
+
+
+def test_restore_takes_the_newest_copy_that_verifies_in_either_tier(tiers, tmp_path):
+    _three_in_both_tiers(tiers, tmp_path)
     # newest: local copy corrupt, durable copy fine -> the durable copy of step 3
     h = ckarrays.blob_hash(tiers.local.list()[-1])
     with open(_blob(tiers.local, 3), "r+b") as f:
@@ -131,12 +136,7 @@ def test_a_restore_reads_the_newest_intact_copy_hashing_each_blob_once_as_it_rea
         tiers, tmp_path, monkeypatch):
     from orchestrator.checkpoint.blobset import BlobSet
 
-    m, _ = _mirror(tiers, tmp_path)
-    for s in (1, 2, 3):
-        _commit(tiers, s)
-    m.start()
-    assert m.flush(30) == []
-    m.stop()
+    _three_in_both_tiers(tiers, tmp_path)
     hashed = []
     real = BlobSet.hashes_right
     monkeypatch.setattr(BlobSet, "hashes_right", lambda self, h: hashed.append(h) or real(self, h))
