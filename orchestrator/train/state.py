@@ -272,10 +272,17 @@ class Snapshot:
         if not backends.current().traced_reader:  # nothing to trace (JAX)
             return
         with self._lock:
-            self._layout()
-            if self._read is not None:
-                for k, a in zip(self.keys, self._read()):  # traced and run once
-                    self._copy(k, a)
+            variables = self._layout()
+            if self._read is None:
+                return
+            # traced, not run: values held here while training goes on made TensorFlow copy
+            # every variable the next step updated (copy-on-write: +1.1 GB for 1.26 GB)
+            trace = getattr(self._read, "get_concrete_function", None)
+            if trace is not None:
+                trace()
+            for k, v in zip(self.keys, variables):
+                buf = self._buffers[k] = np.empty(tuple(v.shape), blobs.dtype_of(str(v.dtype)))
+                buf.fill(0)  # its pages faulted now
 
     def take(self) -> dict[str, np.ndarray]:
         with self._lock:
