@@ -122,16 +122,19 @@ class TieredStore:
         when given); ``on_skip`` hears of each copy passed over (corrupt, partial,
         unreadable). ``cached``: trust this store's earlier verification of a copy whose
         files are unchanged (``CheckpointStore.verify``); a restore never passes it."""
-        for s, cs in sorted(self.copies().items(), reverse=True):
-            if step is not None and s != step:
-                continue
-            for c in cs:
-                reason = (c.tier or self.local).verify(c.path, cached=cached)
-                if reason is None:
-                    return c
-                if on_skip:
-                    on_skip(c, reason)
+        for c in self._newest_first(step):
+            reason = (c.tier or self.local).verify(c.path, cached=cached)
+            if reason is None:
+                return c
+            if on_skip:
+                on_skip(c, reason)
         return None
+
+    def _newest_first(self, step: int | None):
+        """Every copy, newest step first, local before durable (only ``step``'s, when given)."""
+        for s, cs in sorted(self.copies().items(), reverse=True):
+            if step is None or s == step:
+                yield from cs
 
     def latest_read(self, on_skip: Callable[[Checkpoint, str], None] | None = None,
                     step: int | None = None) -> tuple[Checkpoint | None, dict]:
@@ -140,19 +143,16 @@ class TieredStore:
         that does not match skips that copy as ``latest_valid`` would. A restore reads and
         hashes the state once, where verifying and then reading did it twice. (None, {}):
         no copy reads back."""
-        for s, cs in sorted(self.copies().items(), reverse=True):
-            if step is not None and s != step:
-                continue
-            for c in cs:
-                tier = c.tier or self.local
-                reason = tier.verify(c.path, rehash=set())  # no blob hashed: read_arrays does
-                if reason is None:
-                    try:
-                        return c, tier.read_arrays(c.path)
-                    except (BlobError, OSError, ValueError) as exc:
-                        reason = str(exc).removeprefix(f"{c.path}: ")
-                if on_skip:
-                    on_skip(c, reason)
+        for c in self._newest_first(step):
+            tier = c.tier or self.local
+            reason = tier.verify(c.path, rehash=set())  # no blob hashed: read_arrays does
+            if reason is None:
+                try:
+                    return c, tier.read_arrays(c.path)
+                except (BlobError, OSError, ValueError) as exc:
+                    reason = str(exc).removeprefix(f"{c.path}: ")
+            if on_skip:
+                on_skip(c, reason)
         return None, {}
 
 
