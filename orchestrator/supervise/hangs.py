@@ -47,9 +47,6 @@ class HeartbeatEvents(FileSystemEventHandler):
     def on_created(self, event):
         self._check(event.src_path)
 
-    def on_modified(self, event):
-        self._check(event.src_path)
-
 
 class _Rank:
     """One rank's side of the clock: when it last beat, and whether it is past start-up."""

@@ -170,6 +170,7 @@ class NodeMirror:
         from orchestrator.checkpoint.mirror import DurableMirror
         from orchestrator.checkpoint.tiers import TieredStore
         from orchestrator.core.journal import Journal
+        from orchestrator.supervise.slot import PLACED
 
         os.makedirs(local_root, exist_ok=True)
         self.mirror = DurableMirror(TieredStore(local_root, durable_root), Journal(journal),
@@ -184,7 +185,7 @@ class NodeMirror:
                 mirror.notify()
 
         self.observer = Observer()
-        self.observer.schedule(Wake(), local_root, recursive=True)
+        self.observer.schedule(Wake(), local_root, recursive=True, event_filter=PLACED)
         self.observer.start()
 
     def close(self, timeout: float = 120.0) -> None:

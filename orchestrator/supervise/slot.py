@@ -15,7 +15,8 @@ import queue
 import signal
 import threading
 
-from watchdog.events import FileSystemEventHandler
+from watchdog.events import (DirCreatedEvent, DirMovedEvent, FileCreatedEvent, FileMovedEvent,
+                             FileSystemEventHandler)
 from watchdog.observers import Observer
 
 from orchestrator.checkpoint.store import COMMIT_MARKER
@@ -28,6 +29,12 @@ from orchestrator.supervise.hangs import HangClock, HeartbeatEvents
 from orchestrator.supervise.messages import Committed, Stop
 
 log = logging.getLogger(__name__)
+
+# What the watchers act on: a file or folder created or renamed into place (a commit, a
+# heartbeat). Unfiltered, inotify reports each write, open and close under the watched folders
+# (the blobs a checkpoint writes and the mirror reads back, the logs), which watchdog's threads
+# parse in this process, beside the loop, on the path from a worker's death to the next start.
+PLACED = [FileCreatedEvent, DirCreatedEvent, FileMovedEvent, DirMovedEvent]
 
 
 class WorkerSlot:
@@ -107,13 +114,15 @@ class _CheckpointEvents(FileSystemEventHandler):
 def watch(observer: Observer, slot: WorkerSlot, store: TieredStore, rd: RunDir) -> None:
     """Feed the slot's queue: checkpoints committed (either tier's folder here), heartbeats."""
     os.makedirs(store.local.root, exist_ok=True)
-    observer.schedule(_CheckpointEvents(slot.events), store.local.root, recursive=True)
+    observer.schedule(_CheckpointEvents(slot.events), store.local.root, recursive=True,
+                      event_filter=PLACED)
     try:  # made now, so that it is watched: the durable copies of a chief on another node
         os.makedirs(rd.checkpoints, exist_ok=True)
     except OSError as exc:  # the run directory away: the commits' beats still tell them
         log.warning(f"cannot watch {rd.checkpoints} ({exc.strerror or exc}): its commits are "
                     f"heard from the workers' heartbeats and the scans")
     else:
-        observer.schedule(_CheckpointEvents(slot.events), rd.checkpoints)
-    observer.schedule(HeartbeatEvents(slot.events, rd.control), rd.control, recursive=True)
+        observer.schedule(_CheckpointEvents(slot.events), rd.checkpoints, event_filter=PLACED)
+    observer.schedule(HeartbeatEvents(slot.events, rd.control), rd.control, recursive=True,
+                      event_filter=PLACED)
     observer.start()
