@@ -1,4 +1,6 @@
 """The recovery policy on its own: ladders, skipped rungs, budgets, crash loops, escalation."""
+import dataclasses
+
 import pytest
 
 from orchestrator.recovery.policy import GIVE_UP, Failure, RecoveryPolicy, next_strategy
@@ -136,6 +138,15 @@ def test_the_first_restart_after_progress_is_immediate_and_the_backoff_resets():
     policy.progress()
     assert policy.decide(_fail("killed", pos="q")).delay_s == 0.0
     assert policy.decide(_fail("unknown", pos="r")).delay_s == 1.0
+
+
+def test_the_backoff_spaces_starts_so_an_attempt_that_ran_longer_restarts_at_once():
+    policy = RecoveryPolicy(RecoverySpec(), RestartSpec(max=100, backoff_initial=1.0,
+                                                        backoff_multiplier=2.0, backoff_max=30.0))
+    ran = [9.0, 9.0, 1.5, 0.5, 3.0]  # killed after a cold start, twice; then quicker deaths
+    delays = [policy.decide(dataclasses.replace(_fail("killed", pos=f"p{i}"), ran_s=r)).delay_s
+              for i, r in enumerate(ran)]
+    assert delays == [0.0, 0.0, 0.5, 3.5, 5.0]  # waits of 0, 1, 2, 4, 8 s less what each ran
 
 
 def test_progress_resets_the_ladders():

@@ -92,6 +92,18 @@ def test_the_backoff_between_restarts_without_progress_grows_on_the_clock(fake_j
     assert [round(s, 3) for s in clock.slept] == delays  # waited on the fake clock
 
 
+def test_a_kill_after_a_start_up_longer_than_the_backoff_restarts_at_once(fake_job):
+    plan = {"exit_at_epoch": {"1": [3, -9], "2": [3, -9], "3": [3, -9]},
+            "startup_s": {"2": 5.0, "3": 0.25}}  # 2 and 3 die before committing anything
+    rc, events, _, clock = run(fake_job(
+        epochs=3, restarts="{max: 3, backoff: {initial: 1, max: 30, multiplier: 2}}",
+        extra=CPU), plan)
+    assert rc == 0
+    delays = [e["delay_s"] for e in _ev(events, "restart")]
+    assert delays == [0.0, 0.0, 1.75]  # 1 s and 2 s after their starts: 5 s and 0.25 s ran
+    assert [round(s, 3) for s in clock.slept] == delays
+
+
 def test_a_config_error_exit_is_not_retried(fake_job):
     rc, events, engine, _ = run(fake_job(extra=CPU), {"exit": {"1": 78}})
     assert rc == 1

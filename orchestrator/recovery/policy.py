@@ -14,9 +14,12 @@ rung comes ``give_up``. On top of the ladders sit the run-wide stops, all decide
   start-up all share "the same step" and measured as a crash loop after three (17 s) before
   kills were set apart;
 - the backoff: the first failure after progress restarts at once; consecutive failures with no
-  new checkpoint in between wait ``restarts.backoff`` (tenacity's exponential wait), so a storm
-  of kills still slows down. A new checkpoint ends a streak: the ladders and the backoff start
-  again from the bottom.
+  new checkpoint in between are spaced ``restarts.backoff`` apart (tenacity's exponential
+  wait), counted from the failed attempt's start: a worker that dies at its import waits, one
+  killed after running longer than the wait (a cold start's worth, or more) has waited already
+  and restarts at once, so a storm of kills still slows down once the wait outgrows the
+  attempts. A new checkpoint ends a streak: the ladders and the backoff start again from the
+  bottom.
 
 ``decide`` returns the whole answer: the action, the kind acted on, the delay and the reason.
 Supervisor side: never imports TensorFlow.
@@ -60,6 +63,7 @@ class Failure:
     time: float
     evidence: str = ""
     escalate: dict | None = None
+    ran_s: float = 0.0   # how long the failed attempt ran (its start to its end)
 
 
 @dataclass(frozen=True)
@@ -118,11 +122,12 @@ class RecoveryPolicy:
         stop = self._budget_spent(failure) or self._crash_loop()
         if stop:
             return Decision(GIVE_UP, failure.kind, stop)
-        return replace(decision, delay_s=self.backoff())
+        return replace(decision, delay_s=max(0.0, self.backoff() - failure.ran_s))
 
     def backoff(self) -> float:
-        """0 s for the first failure since progress, then the exponential wait over the
-        consecutive failures that committed nothing new (1, 2, 4 ... s by default)."""
+        """The spacing due between the starts of the last failed attempt and the next: 0 s for
+        the first failure since progress, then the exponential wait over the consecutive
+        failures that committed nothing new (1, 2, 4 ... s by default)."""
         n = len(self.streak)
         if n <= 1:
             return 0.0
@@ -174,7 +179,8 @@ class RecoveryPolicy:
         prev = self.streak[-need:] if need > 0 else []
         if len(prev) == need and all(p.signature == f.signature and p.position == f.position
                                      for p in prev):
-            return Failure(f.attempt, esc["kind"], f.signature, f.position, f.time, f.evidence)
+            return Failure(f.attempt, esc["kind"], f.signature, f.position, f.time, f.evidence,
+                           ran_s=f.ran_s)
         return f
 
     def _budget_spent(self, failure: Failure) -> str | None:

@@ -223,7 +223,7 @@ class Supervisor:
                      outcome.oom, job=JobContext.from_spec(self.spec))
         self._journal_ended(outcome, error, d.kind, d.signature, d.layer)
         return Failure(outcome.attempt, d.kind, d.signature, self._position(outcome, error),
-                       self.clock.time(), d.evidence, d.escalate)
+                       self.clock.time(), d.evidence, d.escalate, ran_s=outcome.duration_s)
 
     def _apply(self, outcome: Outcome, decision: Decision) -> None:
         """Carry out the action (none for give_up) and journal it with the policy's reason."""

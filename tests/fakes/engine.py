@@ -8,6 +8,7 @@ a real checkpoint through the run's store (``Committed``); then every rank exits
 (``Exited``). The plan says otherwise, per attempt number as fake_worker.py's does:
   "exit": {"1": 1}                    attempt 1 exits 1 at its start, with an error record
   "error": {"1": {"type": ..}}        attempt 1 records this error and exits 1
+  "startup_s": {"2": 5.0}             attempt 2's start-up takes 5 s on the clock
   "exit_at_epoch": {"2": [3, -9]}     attempt 2 exits -9 when epoch 3 would begin
                    {"2": [3, -9, 1]}  only its rank 1 (the others run on until stopped)
   "standby_exit": {"3": 1}            the standby for attempt 3 exits 1 while warming up
@@ -164,6 +165,7 @@ class FakeEngine:
     def _script(self, n: int, ranks: list):
         """What attempt ``n``'s ranks do, in order, while they live (a stop ends a rank's)."""
         key = str(n)
+        self.clock.advance(self.plan.get("startup_s", {}).get(key, 0.0))
         if key in self.plan.get("exit", {}) or key in self.plan.get("error", {}):
             error = self.plan.get("error", {}).get(key) or {
                 "type": "RuntimeError", "message": f"planned exit {self.plan['exit'][key]}"}
