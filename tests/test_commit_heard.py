@@ -167,3 +167,24 @@ def test_a_beat_carries_its_writer_s_last_commits(tmp_path):
     assert rec["phase"] == "training" and rec["step"] == 1
     writer.beat(force=True, phase="epoch_end", step=2)  # every later beat carries them too
     assert heartbeat.read(str(tmp_path))["commits"] == rec["commits"]
+
+
+def test_the_epoch_reached_is_read_from_the_tiers_once_per_thing_the_ledger_learns(
+        tmp_path, monkeypatch):
+    """Between a worker's death and the next start the loop asks the epoch reached and whether
+    the run is complete six times; each listing and verify of the tiers took 70-90 ms while the
+    mirror uploaded the last commit. They are read again only after a scan or a commit heard."""
+    run, node, here, journal, ledger, console, progress = _sides(tmp_path)
+    reads = []
+    real = here.latest_valid
+    monkeypatch.setattr(here, "latest_valid", lambda **kw: (reads.append(1), real(**kw))[1])
+    _commit(here.local, 2 * SPE)
+    ledger.attempt_ended()  # the scan at an attempt's end journals it
+    assert [ledger.latest_epoch() for _ in range(5)] == [2] * 5
+    assert not ledger.completed(3) and len(reads) == 1
+    c = _commit(here.local, 3 * SPE)
+    assert ledger.latest_epoch() == 2 and len(reads) == 1  # nothing learned yet
+    ledger.heard([{"step": c.step, "epoch": c.epoch, "path": c.path,
+                   "digest": here.local.digest(c.path)}])
+    assert ledger.latest_epoch() == 3 and ledger.completed(3) and len(reads) == 2
+    assert ledger.latest().step == 3 * SPE and len(reads) == 3  # the checkpoint itself: fresh

@@ -39,6 +39,7 @@ class CheckpointLedger:
         self.steps: set[int] = set()
         self.pending: dict[int, dict] = {}  # step -> a commit heard of, no verified copy yet
         self._refused: set[tuple[int, str]] = set()  # (step, digest of the copy) said once
+        self._newest: list = []  # [latest()] as of the last time the ledger learned something
 
     def recall(self, events: list[dict]) -> None:
         """What earlier sessions journaled already."""
@@ -48,6 +49,7 @@ class CheckpointLedger:
     def scan(self) -> None:
         """Journal every committed checkpoint (either tier) and the epochs it covers, each
         exactly once, then wake the durable mirror."""
+        self._newest = []
         copies = self.store.copies()
         self._settle(copies)
         for step, cs in sorted(copies.items()):
@@ -130,20 +132,28 @@ class CheckpointLedger:
                             state_bytes=c.nbytes,  # the standby's memory rule counts it
                             bytes_written=c.manifest.get("bytes_written"))
         self.steps.add(c.step)
+        self._newest = []
 
     def latest(self) -> Checkpoint | None:
-        """The newest intact checkpoint, for the supervisor's bookkeeping (the epoch reached,
-        whether the run is complete). Asked four times between a worker's death and the next
-        one's start: a copy this process hashed already and whose files are unchanged is not
-        hashed again (the seconds of a large checkpoint's sha256, each time, on the cold
-        path); the worker that restores it hashes it itself."""
+        """The newest intact checkpoint, read from the tiers now (its path is used: the run's
+        end exports it). A copy this process hashed already and whose files are unchanged is
+        not hashed again; the worker that restores it hashes it itself."""
         return self.store.latest_valid(cached=True)
 
+    def _known(self) -> Checkpoint | None:
+        """``latest()`` as of the last scan or commit journaled, for the epoch reached and
+        whether the run is complete: asked six times between a worker's death and the next
+        one's start, where each listing and verify took 70-90 ms under the mirror's upload of
+        the last commit (ResNet-20's 203 blobs, measured), all of it on the cold path."""
+        if not self._newest:
+            self._newest = [self.latest()]
+        return self._newest[0]
+
     def latest_epoch(self) -> int:
-        c = self.latest()
+        c = self._known()
         return c.epoch if c else 0
 
     def completed(self, epochs: int) -> bool:
         """The last epoch is done, or the job's callbacks ended training (EarlyStopping)."""
-        c = self.latest()
+        c = self._known()
         return c is not None and c.ends_run(epochs)
