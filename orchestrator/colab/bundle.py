@@ -49,4 +49,4 @@ def job_bundle(job_dir: str, dest: str) -> str:
 # The orchestrator's own requirements (pyproject.toml's [project] dependencies; a test keeps
 # the two the same): installed in a runtime only when missing there, never a framework.
 REQUIRES = ("cloudpickle>=3.0", "numpy>=1.24", "pydantic>=2.7", "pyyaml>=6.0", "tenacity>=8.2",
-            "tqdm>=4.66", "watchdog>=3.0", "xxhash>=3.0")
+            "tqdm>=4.66", "watchdog>=4.0", "xxhash>=3.0")
