@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from helpers import BOTH_BACKENDS, ROOT
+from helpers import JAX_THEN_TF_IN_SOAK, ROOT
 from orchestrator.core.journal import Journal
 
 pytestmark = pytest.mark.e2e
@@ -66,7 +66,7 @@ def _run(script, run_dir, *faults):
     return p.returncode, p.stdout + p.stderr
 
 
-@BOTH_BACKENDS
+@JAX_THEN_TF_IN_SOAK
 def test_a_cell_job_survives_a_killed_worker_and_the_same_cell_resumes_it(tmp_path, backend):
     # backend: auto in the cell, resolved through KERAS_BACKEND (the backend fixture)
     script, run = _script(tmp_path), tmp_path / "run"

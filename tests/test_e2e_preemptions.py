@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from helpers import BOTH_BACKENDS, ROOT, live, wait_until
+from helpers import JAX_THEN_TF_IN_SOAK, ROOT, live, wait_until
 from test_e2e import DIGITS_JOB, digits_reference, write_job_files  # noqa: F401
 from orchestrator.core import heartbeat
 from orchestrator.core.journal import Journal
@@ -130,7 +130,7 @@ def test_a_deterministic_bug_is_stopped_within_four_attempts(tmp_path):
     assert "ValueError" in failed["error"]["type"]
 
 
-@BOTH_BACKENDS
+@JAX_THEN_TF_IN_SOAK
 def test_sigterm_mid_epoch_saves_that_step_and_the_run_resumes_there_bit_identical(
         tmp_path, backend, digits_reference):
     # The digits job, compared with the session's uninterrupted run of it. Its steps slowed (the

@@ -10,7 +10,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import noimport
-from helpers import BOTH_BACKENDS, ROOT
+from helpers import JAX_THEN_TF_IN_SOAK, ROOT
 from orchestrator.core.journal import Journal
 from orchestrator.train.tensorboard import HISTORY_FILE
 
@@ -51,7 +51,7 @@ def _steps(folder):
     return {tag: [e.step for e in acc.Tensors(tag)] for tag in acc.Tags()["tensors"]}
 
 
-@BOTH_BACKENDS
+@JAX_THEN_TF_IN_SOAK
 def test_a_worker_killed_mid_epoch_leaves_every_step_once_and_in_order(tmp_path, backend):
     # Killed at step 70 (mid-epoch 2), after writing its points up to 70; resumed from the newest
     # checkpoint committed before the kill: 60, or 45 when the write of 60 was still in flight
