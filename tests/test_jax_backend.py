@@ -204,11 +204,17 @@ _MID_FIT = textwrap.dedent("""
     x = np.random.default_rng(0).random((64, 4), dtype=np.float32)
     y = (x[:, 0] > 0.5).astype("int32")
     taken = {}
+    snap = state.Snapshot(model)
 
     class Take(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
+            if batch == 0:  # the writer's warm-up, in its own thread, as training goes on
+                import threading
+                t = threading.Thread(target=snap.warm)
+                t.start()
+                t.join()
+                taken["warmed"] = dict(snap._buffers)
             if batch == 2:
-                snap = state.Snapshot(model)
                 taken["snapshot"] = snap.take()
                 taken["metrics"] = state.capture_metrics(model)
                 taken["print"] = state.state_fingerprint(model)
@@ -219,6 +225,9 @@ _MID_FIT = textwrap.dedent("""
     assert any(k.startswith("optimizer.") for k in arrays)
     # the optimizer had taken 3 steps when the state was read mid-fit
     assert int(arrays["optimizer.0000"]) == 3, arrays["optimizer.0000"]
+    # the first snapshot copied into the buffers the warm-up allocated and faulted in
+    assert taken["warmed"].keys() == arrays.keys(), sorted(taken["warmed"])
+    assert all(arrays[k] is taken["warmed"][k] for k in arrays), "buffers allocated again"
     assert float(taken["metrics"]["metrics.0001"]) > 0  # the running count of the epoch
     print("OK", len(arrays), "tensorflow" in sys.modules and sys.modules["tensorflow"] is not None)
 """)
