@@ -179,8 +179,7 @@ class RecoveryPolicy:
         prev = self.streak[-need:] if need > 0 else []
         if len(prev) == need and all(p.signature == f.signature and p.position == f.position
                                      for p in prev):
-            return Failure(f.attempt, esc["kind"], f.signature, f.position, f.time, f.evidence,
-                           ran_s=f.ran_s)
+            return replace(f, kind=esc["kind"], escalate=None)
         return f
 
     def _budget_spent(self, failure: Failure) -> str | None:

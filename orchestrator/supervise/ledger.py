@@ -28,6 +28,7 @@ from orchestrator.core.events import Event
 from orchestrator.core.journal import Journal
 
 log = logging.getLogger(__name__)
+_UNREAD = object()  # the ledger's newest checkpoint, not read since it last learned something
 
 
 class CheckpointLedger:
@@ -39,7 +40,7 @@ class CheckpointLedger:
         self.steps: set[int] = set()
         self.pending: dict[int, dict] = {}  # step -> a commit heard of, no verified copy yet
         self._refused: set[tuple[int, str]] = set()  # (step, digest of the copy) said once
-        self._newest: list = []  # [latest()] as of the last time the ledger learned something
+        self._newest: Checkpoint | None | object = _UNREAD  # latest() when last learned
 
     def recall(self, events: list[dict]) -> None:
         """What earlier sessions journaled already."""
@@ -49,7 +50,7 @@ class CheckpointLedger:
     def scan(self) -> None:
         """Journal every committed checkpoint (either tier) and the epochs it covers, each
         exactly once, then wake the durable mirror."""
-        self._newest = []
+        self._newest = _UNREAD
         copies = self.store.copies()
         self._settle(copies)
         for step, cs in sorted(copies.items()):
@@ -132,7 +133,7 @@ class CheckpointLedger:
                             state_bytes=c.nbytes,  # the standby's memory rule counts it
                             bytes_written=c.manifest.get("bytes_written"))
         self.steps.add(c.step)
-        self._newest = []
+        self._newest = _UNREAD
 
     def latest(self) -> Checkpoint | None:
         """The newest intact checkpoint, read from the tiers now (its path is used: the run's
@@ -145,9 +146,9 @@ class CheckpointLedger:
         whether the run is complete: asked six times between a worker's death and the next
         one's start, where each listing and verify took 70-90 ms under the mirror's upload of
         the last commit (ResNet-20's 203 blobs, measured), all of it on the cold path."""
-        if not self._newest:
-            self._newest = [self.latest()]
-        return self._newest[0]
+        if self._newest is _UNREAD:
+            self._newest = self.latest()
+        return self._newest
 
     def latest_epoch(self) -> int:
         c = self._known()

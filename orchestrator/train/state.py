@@ -54,8 +54,17 @@ def group_of(key: str) -> str | None:
 
 def _groups(model, found: holders.Found | None = None) -> dict[str, list]:
     sync(model)
-    found = found or holders.discover(model)
+    return _by_group(found or holders.discover(model))
+
+
+def _by_group(found: holders.Found) -> dict[str, list]:
+    """Each holder group's variables, without reading them (JAX's stay the trainer's)."""
     return {g.name: g.variables for g in found.groups}
+
+
+def _keyed(groups: dict[str, list]) -> list[tuple[str, object]]:
+    """Each variable with its checkpoint key (``optimizer.0003``), in the groups' order."""
+    return [(f"{g}.{i:04d}", v) for g, vs in groups.items() for i, v in enumerate(vs)]
 
 
 def layout(model, found: holders.Found | None = None) -> dict[str, dict]:
@@ -72,20 +81,12 @@ def layout(model, found: holders.Found | None = None) -> dict[str, dict]:
 
 
 def describe(model, found: holders.Found | None = None) -> list[dict]:
-    out = []
-    for group, variables in _groups(model, found).items():
-        for i, v in enumerate(variables):
-            out.append({"key": f"{group}.{i:04d}", "path": v.path, "shape": list(v.shape),
-                        "dtype": str(v.dtype)})
-    return out
+    return [{"key": k, "path": v.path, "shape": list(v.shape), "dtype": str(v.dtype)}
+            for k, v in _keyed(_groups(model, found))]
 
 
 def capture(model) -> dict[str, np.ndarray]:
-    arrays = {}
-    for group, variables in _groups(model).items():
-        for i, v in enumerate(variables):
-            arrays[f"{group}.{i:04d}"] = np.asarray(v.numpy())
-    return arrays
+    return {k: np.asarray(v.numpy()) for k, v in _keyed(_groups(model))}
 
 
 def capture_metrics(model) -> dict[str, np.ndarray]:
@@ -249,15 +250,14 @@ class Snapshot:
         return self._found
 
     def _layout(self):
-        sync(self.model)
         found = self._discover()
-        groups = _groups(self.model, found)
-        variables = [v for vs in groups.values() for v in vs]
+        keyed = _keyed(_groups(self.model, found))  # synced: the values are read next
+        variables = [v for _, v in keyed]
         ids = tuple(id(v) for v in variables)
         if ids == self._ids:
             return variables
         self._ids = ids
-        self.keys = [f"{g}.{i:04d}" for g, vs in groups.items() for i in range(len(vs))]
+        self.keys = [k for k, _ in keyed]
         by_id = dict(zip(ids, self.keys))
         self.weight_keys = [by_id[id(w)] for w in self.model.weights]
         self.description = describe(self.model, found)
@@ -279,13 +279,11 @@ class Snapshot:
                 trace = getattr(self._read, "get_concrete_function", None)
                 if trace is not None:
                     trace()
-                keys = self.keys
+                keyed = list(zip(self.keys, variables))
             else:  # JAX: nothing to trace, and the values are the trainer's until the
                 # training thread syncs them (``sync``); the shapes are the variables' own
-                groups = self._discover().groups
-                variables = [v for g in groups for v in g.variables]
-                keys = [f"{g.name}.{i:04d}" for g in groups for i in range(len(g.variables))]
-            for k, v in zip(keys, variables):
+                keyed = _keyed(_by_group(self._discover()))
+            for k, v in keyed:
                 buf = self._buffers[k] = np.empty(tuple(v.shape), blobs.dtype_of(str(v.dtype)))
                 buf.fill(0)  # its pages faulted now
 
