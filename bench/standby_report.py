@@ -47,7 +47,8 @@ def kills_summary(kills: dict) -> dict:
             "runs": {mode: {"rows": kill_rows(r), "cold_start_s": cold_start(r), "rc": r.get("rc"),
                             "paths": r.get("recovery_paths") or [],
                             "decisions": r.get("standby_decisions") or [],
-                            "standbys": r.get("standbys") or []}
+                            "standbys": r.get("standbys") or [],
+                            "cold_path": cold_path_rows(r)}
                      for mode, r in runs.items()}}
 
 
@@ -115,7 +116,59 @@ def kills_markdown(ks: dict, job: str) -> list[str]:
             "none will be: at the attempt's first checkpoint, said in the cell). Each cell: kill "
             "-> next first step (x the run's cold start), the recovery path "
             "(`attempt_started.path`).", "",
-            md_table(["kill"] + [f"standby: {m}" for m in modes], rows), ""]
+            md_table(["kill"] + [f"standby: {m}" for m in modes], rows), ""] + \
+        cold_path_markdown(runs)
+
+
+BEFORE_WORKER = ("detected", "stopped", "process_started")  # the orchestrator's, no worker yet
+WORKER_START = ("python_ready", "tf_imported", "model_built")  # the worker's, the same code
+
+
+def _sum(phases: dict, names) -> float | None:
+    xs = [phases.get(n) for n in names if phases.get(n) is not None]
+    return round(sum(xs), 3) if xs else None
+
+
+def cold_path_rows(run: dict) -> list[dict]:
+    """A run's cold start and each of its cold recoveries cut where the orchestrator's part
+    ends: before the worker runs (launch or kill -> the new process) and the restore, which
+    only a recovery pays, against the worker's start-up and first step, the same code in both.
+    Issue 38: a cold recovery should cost no more than a cold start; where it does, this says
+    whether it was ours or the framework's start-up, which varies run to run on its own."""
+    def row(label, ph, ratio):
+        return {"label": label, "before_worker_s": _sum(ph, BEFORE_WORKER),
+                "restore_s": ph.get("restored"), "worker_start_s": _sum(ph, WORKER_START),
+                "first_step_s": ph.get("first_step"), "total_s": ph.get("total"),
+                "ratio": ratio}
+    cold = cold_start(run)
+    out = [row("cold start", run.get("startup") or {}, 1.0 if cold else None)]
+    for x in run.get("recoveries") or []:
+        if x.get("kind", "killed") == "killed" and x.get("path") == "cold":
+            out.append(row(f"recovery of attempt {x.get('attempt')} ({x.get('trigger')})", x,
+                           _of_cold_start(x.get("total"), cold)))
+    return out
+
+
+def cold_path_markdown(runs: dict) -> list[str]:
+    """Each summarised run's cold start and cold recoveries, phase by phase (cold_path_rows);
+    a run with no cold recovery is left out."""
+    rows = []
+    for mode, run in runs.items():
+        for r in run.get("cold_path") if len(run.get("cold_path") or []) > 1 else []:
+            rows.append([f"{mode}: {r['label']}", fmt_s(r["before_worker_s"]),
+                         fmt_s(r["restore_s"]), fmt_s(r["worker_start_s"]),
+                         fmt_s(r["first_step_s"]), fmt_s(r["total_s"]), fmt_ratio(r["ratio"])])
+    if not rows:
+        return []
+    return ["#### Where a cold recovery's time goes", "",
+            "Each run's cold start and each recovery by a new process (`path: cold`), in "
+            "seconds: the orchestrator's part before the worker runs (launch, or the kill, -> "
+            "the new process: the supervisor's own start for a cold start; the death's "
+            "detection, the attempt's end and the spawn for a recovery), the restore (a "
+            "recovery's only), then the worker's start-up (Python, the framework's import, the "
+            "model) and its first step, the same code either way.", "",
+            md_table(["run: start", "before the worker", "restore", "worker start-up",
+                      "first step", "total", "x cold start"], rows), ""]
 
 
 def _reason(text: str | None) -> str:

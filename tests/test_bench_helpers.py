@@ -628,6 +628,33 @@ def test_recovery_by_kind_of_kill_side_by_side_and_the_1x_target():
     assert standby_report.recovery_target_row({})["passed"] is None
 
 
+def test_a_cold_recovery_is_cut_into_the_orchestrator_s_part_and_the_worker_s_start_up():
+    run = _kills_run("off", ["cold", "cold", "warm"], [8.2, 7.5, 0.5], cold=8.0)
+    run["startup"] = {"detected": None, "stopped": None, "process_started": 0.4,
+                      "python_ready": 0.3, "tf_imported": 3.4, "model_built": 0.5,
+                      "restored": 0.0, "first_step": 3.4, "total": 8.0}
+    run["recoveries"][0].update(detected=0.12, stopped=0.0, process_started=0.02,
+                                python_ready=0.3, tf_imported=3.7, model_built=0.5,
+                                restored=0.08, first_step=3.48)
+    rows = standby_report.cold_path_rows(run)
+    # the cold start, then the two cold recoveries (the warm one is not a cold path)
+    assert [r["label"] for r in rows] == ["cold start", "recovery of attempt 1 (checkpoint+20)",
+                                          "recovery of attempt 2 (first_step+1.5)"]
+    assert (rows[0]["before_worker_s"], rows[0]["worker_start_s"]) == (0.4, 4.2)
+    assert (rows[1]["before_worker_s"], rows[1]["restore_s"], rows[1]["worker_start_s"],
+            rows[1]["first_step_s"], rows[1]["ratio"]) == (0.14, 0.08, 4.5, 3.48, 1.025)
+    assert rows[2]["before_worker_s"] is None and rows[2]["ratio"] == 0.938
+    ks = standby_report.kills_summary({"triggers": ["checkpoint+20", "first_step+1.5",
+                                                    "standby_ready"], "runs": {"off": run}})
+    md = "\n".join(standby_report.kills_markdown(ks, "job"))
+    assert "| off: recovery of attempt 1 (checkpoint+20) | 0.14 | 0.08 | 4.50 | 3.48 | 8.20 " \
+           "| 1.025x |" in md
+    assert "| off: cold start | 0.40 | 0.00 | 4.20 | 3.40 | 8.00 | 1.000x |" in md
+    # a run whose recoveries were all warm has no row there
+    ks["runs"]["off"]["cold_path"] = ks["runs"]["off"]["cold_path"][:1]
+    assert "Where a cold recovery" not in "\n".join(standby_report.kills_markdown(ks, "job"))
+
+
 def test_the_policy_s_decisions_are_listed_per_run_with_long_reasons_cut():
     results = {"kills": {"runs": {"auto": _kills_run("auto", ["cold", "warm"], [8.0, 0.5])}},
                "goodput": {"arms": {"standby_auto": [_kills_run("auto", ["warm"], [0.4])],
