@@ -1,7 +1,9 @@
 """The digits job with its durable tier in a bucket (``checkpoint.durable: gs://...`` on the GCS
-emulator, ``s3://`` on moto), killed three times, the last time with its machine: the local
-tier is gone and the run resumes from the bucket, ending with the weights of its uninterrupted
-run.
+emulator, ``s3://`` on moto), its machine lost mid-run: the local tier is gone and the run
+resumes from the bucket, ending with the weights of its uninterrupted run. On s3 the worker is
+killed twice before (mid-epoch, between epochs), the mirror carrying on across attempts; those
+resumes read the local tier, the same whatever the bucket, so gs is spared them (two JAX starts
+of the suite's time).
 
 Every step is 0.1 s slower from the first (``slow-steps``, in every attempt; the weights do not
 change): beside the suite's other processes an attempt otherwise completed the run before its
@@ -48,8 +50,8 @@ def _wait_durable(journal, after_step, timeout=120):
 
 
 @ONE_BACKEND
-def test_a_run_on_a_bucket_killed_three_times_resumes_bit_exactly(bucket_server, backend,
-                                                                   digits_reference, tmp_path):
+def test_a_run_on_a_bucket_whose_machine_is_lost_resumes_from_it_bit_exactly(
+        bucket_server, backend, digits_reference, tmp_path):
     write_job_files(tmp_path)
     url, local = f"{bucket_server.scheme}://{BUCKET}/digits", tmp_path / "local"
     job = tmp_path / "job.yaml"
@@ -63,22 +65,25 @@ def test_a_run_on_a_bucket_killed_three_times_resumes_bit_exactly(bucket_server,
     journal = Journal(ctl.journal)
     sup = start_run(job, run, SLOWER, env=env)
 
-    # 1. mid-epoch, once a copy is in the bucket
-    pid = _wait_for(journal, "attempt_started", 1)["pid"]
-    first = _wait_durable(journal, 0)
-    _wait_heartbeat(ctl.control, 1, lambda h: h.get("step", 0) >= first["step"] + 5)
-    os.kill(pid, signal.SIGKILL)
+    n = 1  # the attempt the machine's loss ends
+    if bucket_server.scheme == "s3":
+        # 1. mid-epoch, once a copy is in the bucket
+        pid = _wait_for(journal, "attempt_started", 1)["pid"]
+        first = _wait_durable(journal, 0)
+        _wait_heartbeat(ctl.control, 1, lambda h: h.get("step", 0) >= first["step"] + 5)
+        os.kill(pid, signal.SIGKILL)
 
-    # 2. between epochs
-    pid = _wait_for(journal, "attempt_started", 2)["pid"]
-    ready = _wait_for(journal, "worker_ready", 2)
-    _wait_heartbeat(ctl.control, 2, lambda h: h.get("phase") == "epoch_end"
-                    and h["epoch"] > ready["resumed_from_epoch"])
-    os.kill(pid, signal.SIGKILL)
+        # 2. between epochs
+        pid = _wait_for(journal, "attempt_started", 2)["pid"]
+        ready = _wait_for(journal, "worker_ready", 2)
+        _wait_heartbeat(ctl.control, 2, lambda h: h.get("phase") == "epoch_end"
+                        and h["epoch"] > ready["resumed_from_epoch"])
+        os.kill(pid, signal.SIGKILL)
+        n = 3
 
     # 3. the machine goes: supervisor and worker killed, the local tier lost with it
-    pid = _wait_for(journal, "attempt_started", 3)["pid"]
-    ready = _wait_for(journal, "worker_ready", 3)
+    pid = _wait_for(journal, "attempt_started", n)["pid"]
+    ready = _wait_for(journal, "worker_ready", n)
     durable = _wait_durable(journal, ready["resumed_from_step"])
     sup.send_signal(signal.SIGKILL)
     os.kill(pid, signal.SIGKILL)
@@ -96,7 +101,8 @@ def test_a_run_on_a_bucket_killed_three_times_resumes_bit_exactly(bucket_server,
     copies = [e for e in events if e["event"] == "checkpoint_durable"]
     assert copies and all(e["path"].startswith(f"{url}/") for e in copies)
     # the last resume read the bucket: nothing was left locally
-    assert resumed[4] >= durable["step"] > 0, (resumed, durable)
+    assert sorted(resumed) == list(range(1, n + 2))
+    assert resumed[n + 1] >= durable["step"] > 0, (resumed, durable)
     assert not [e for e in events if e["event"] == "resume_not_exact"]
     ref = digits_reference["events"]
     assert _completed(events)["weights_sha256"] == _completed(ref)["weights_sha256"]
