@@ -111,6 +111,41 @@ def test_bytes_changed_in_the_servers_storage_are_refused_on_read(server, tmp_pa
         place.open_read("blobs/bb/y")
 
 
+def test_an_s3_bucket_encrypted_with_kms_is_checked_by_its_crc32_its_etag_being_no_md5(
+        tmp_path, monkeypatch):
+    """SSE-KMS by the bucket's default: writes (one part, and 3 parts of 5 MiB) are
+    acknowledged by the CRC32 each upload asks S3 to keep, reads are checked by it, and
+    bytes changed behind it are still refused (botocore's own check of the CRC32 switched off,
+    as above)."""
+    monkeypatch.setenv("AWS_RESPONSE_CHECKSUM_VALIDATION", "when_required")
+    monkeypatch.setattr(objectstore, "S3_PART", 5 * 2**20)
+    srv = MotoS3().start()
+    try:
+        srv.create_bucket()
+        srv.encrypt_with_kms(monkeypatch)
+        place = place_on(srv)
+        big, big_data = random_file(tmp_path, 12 * 2**20 + 7)
+        small, small_data = random_file(tmp_path, 256 * 1024, "small")
+        place.write_file("blobs/aa/big", big)
+        place.write_file("blobs/bb/small", small)
+        place.write_bytes("0000000040/manifest.json", b'{"step": 40}')
+        info = place._info("blobs/aa/big")
+        assert not info["etag_is_md5"] and info["ETag"].strip('"') != \
+            objectstore._S3Digest(len(big_data)).hexdigest()  # the ETag AWS gives
+        assert place._server_checksum(info).startswith("crc32:")
+        with place.open_read("blobs/aa/big") as f:
+            assert f.read() == big_data
+        assert place.read_bytes("blobs/bb/small") == small_data
+        assert place.read_bytes("0000000040/manifest.json") == b'{"step": 40}'
+        srv.overwrite_stored("run/blobs/bb/small",
+                             small_data[:100] + bytes([small_data[100] ^ 1]) + small_data[101:])
+        with pytest.raises(OSError, match="read of blobs/bb/small: checksum mismatch, computed "
+                                          "crc32:"):
+            place.read_bytes("blobs/bb/small")
+    finally:
+        srv.close()
+
+
 def test_a_server_stopped_for_10_s_is_an_outage_a_retried_write_loop_survives(server, tmp_path):
     """Writes go on while the server is down for 10 s, under the mirror's retry policy (retry
     on OSError, exponential backoff): every object written reads back afterwards. On S3 the

@@ -3,8 +3,10 @@
 The same Place protocol as a folder (places.py), with what "durable" means for a bucket: a
 write counts only once the server has acknowledged the object with the checksum WE computed
 from the bytes we sent (GCS: the object's CRC32C; S3: its ETag, the MD5 of a single-part
-object or the MD5 of the parts' MD5s for a multipart one, whose part size we choose). A
-mismatch deletes the object and raises ``OSError(EIO)``. A read is checked against the
+object or the MD5 of the parts' MD5s for a multipart one, whose part size we choose; for an
+object encrypted with SSE-KMS or SSE-C, whose ETag S3 documents as not an MD5 of its data, the
+CRC32 S3 keeps because every upload asks for one). A mismatch deletes the object and raises
+``OSError(EIO)``. A read is checked against the
 server's checksum too (and against the caller's xxh3-128 where given), so bytes changed in the
 bucket are refused rather than restored.
 
@@ -25,6 +27,7 @@ import importlib
 import math
 import os
 import tempfile
+import zlib
 from typing import BinaryIO, Iterator
 
 from orchestrator.core.spec import OBJECT_STORES, object_store_problem
@@ -34,6 +37,10 @@ SIMPLE_MAX = 5 * 2**20       # below this, bytes go up in one request on both se
 S3_PART = 50 * 2**20         # s3fs's default part size (ours, passed explicitly)
 S3_MAX_PARTS = 10_000
 S3_SINGLE_MAX = 5 * 2**30    # S3's largest single PUT
+S3_CHECKSUM = "CRC32"        # the additional checksum every upload asks S3 to keep
+# "Objects encrypted by SSE-C or SSE-KMS have ETags that are not an MD5 digest of their object
+# data" (S3 API reference, Object: ETag); DSSE-KMS is KMS's
+ETAG_NOT_MD5 = ("aws:kms", "aws:kms:dsse")
 _LIBRARY_ERRORS = ("gcsfs", "s3fs", "fsspec", "botocore", "aiobotocore", "aiohttp", "google",
                    "requests", "urllib3")
 
@@ -73,33 +80,53 @@ class FsspecPlace:
         return path[len(self.root) + 1:] if path.startswith(self.root + "/") else path
 
     # ---------------------------------------------------------------- checksums
-    def _new_digest(self, size: int, info: dict | None = None) -> "_Crc32c | _S3ETag":
-        """The checksum of ``size`` bytes in the server's form: for a read, the form of the
+    def _new_digest(self, size: int, info: dict | None = None) -> "_Crc32c | _S3Digest":
+        """The checksum of ``size`` bytes in the server's forms: for a read, the form of the
         object's own (``info``: an S3 ETag with ``-N`` is a multipart one)."""
         if self.scheme == "gs":
             return _Crc32c()
-        theirs = self._server_checksum(info) if info else None
-        return _S3ETag(size, multipart=None if theirs is None else "-" in theirs)
+        etag = (info or {}).get("ETag")
+        return _S3Digest(size, multipart=None if not etag else "-" in etag)
 
     def _server_checksum(self, info: dict) -> str | None:
-        """The checksum the server keeps for an object, in ``_new_digest``'s form."""
+        """The checksum the server keeps for an object that ours can be compared with: GCS's
+        CRC32C; S3's ETag, or ``crc32:`` and the CRC32 where the ETag is no MD5 (None: S3
+        keeps none we can compare, an encrypted object uploaded without our checksum)."""
         if self.scheme == "gs":
             return info.get("crc32c")
-        etag = info.get("ETag") or info.get("etag")
-        return etag.strip('"') if etag else None
+        if info.get("etag_is_md5", True):
+            etag = info.get("ETag")
+            return etag.strip('"') if etag else None
+        return f"crc32:{info['crc32']}" if info.get("crc32") else None
 
     def _info(self, key: str) -> dict:
         with _as_oserror(self.url, key):
+            if self.scheme == "s3":
+                return self._s3_head(key)
             self.fs.invalidate_cache(self.path(key))
             return self.fs.info(self.path(key))
 
-    def _acknowledged(self, key: str, ours: str) -> None:
+    def _s3_head(self, key: str) -> dict:
+        """HeadObject with the additional checksums (``ChecksumMode``) and the encryption,
+        which s3fs's ``info`` leaves out, in ``info``'s keys."""
+        bucket, name, _ = self.fs.split_path(self.path(key))
+        h = self.fs.call_s3("head_object", Bucket=bucket, Key=name, ChecksumMode="ENABLED")
+        return {"size": h.get("ContentLength"), "ETag": h.get("ETag"),
+                "LastModified": h.get("LastModified"), "VersionId": h.get("VersionId"),
+                "crc32": h.get("ChecksumCRC32"),
+                "etag_is_md5": not (h.get("ServerSideEncryption") in ETAG_NOT_MD5
+                                    or h.get("SSECustomerAlgorithm"))}
+
+    def _acknowledged(self, key: str, digest: "_Crc32c | _S3Digest") -> None:
         """The object the server now holds carries our checksum, or it is deleted."""
         theirs = self._server_checksum(self._info(key))
-        if theirs != ours:
+        if theirs is None or not digest.matches(theirs):
             with contextlib.suppress(OSError):
                 self.delete(key)
-            raise ChecksumMismatch(self.url, f"write of {key}", ours, str(theirs))
+            raise ChecksumMismatch(
+                self.url, f"write of {key}", digest.like(theirs),
+                str(theirs) if theirs else "nothing to compare it with (an encrypted object "
+                "whose ETag is no MD5, kept without the CRC32 the upload asked for)")
 
     # ---------------------------------------------------------------- write
     def write_file(self, key: str, local_path: str) -> None:
@@ -110,10 +137,11 @@ class FsspecPlace:
                 digest.update(block)
         with _as_oserror(self.url, key):
             if self.scheme == "s3":
-                self.fs.put_file(local_path, self.path(key), chunksize=digest.part)
+                self.fs.put_file(local_path, self.path(key), chunksize=digest.part,
+                                 ChecksumAlgorithm=S3_CHECKSUM)
             else:
                 self.fs.put_file(local_path, self.path(key))
-        self._acknowledged(key, digest.hexdigest())
+        self._acknowledged(key, digest)
 
     def write_bytes(self, key: str, data: bytes) -> None:
         if len(data) >= SIMPLE_MAX:  # big: the same parts as a file's upload
@@ -123,8 +151,11 @@ class FsspecPlace:
         digest = self._new_digest(len(data))
         digest.update(data)
         with _as_oserror(self.url, key):
-            self.fs.pipe_file(self.path(key), data)
-        self._acknowledged(key, digest.hexdigest())
+            if self.scheme == "s3":
+                self.fs.pipe_file(self.path(key), data, ChecksumAlgorithm=S3_CHECKSUM)
+            else:
+                self.fs.pipe_file(self.path(key), data)
+        self._acknowledged(key, digest)
 
     @contextlib.contextmanager
     def open_write(self, key: str) -> Iterator[BinaryIO]:
@@ -174,7 +205,7 @@ class FsspecPlace:
     def _check_read(self, key: str, info: dict, digest) -> None:
         theirs = self._server_checksum(info)
         if theirs is not None and not digest.matches(theirs):
-            raise ChecksumMismatch(self.url, f"read of {key}", digest.hexdigest(), theirs)
+            raise ChecksumMismatch(self.url, f"read of {key}", digest.like(theirs), theirs)
 
     def exists(self, key: str) -> bool:
         with _as_oserror(self.url, key):
@@ -259,13 +290,18 @@ class _Crc32c:
     def hexdigest(self) -> str:
         return base64.b64encode(self._c.digest()).decode()
 
+    def like(self, theirs: str | None) -> str:
+        return self.hexdigest()
+
     def matches(self, crc32c: str) -> bool:
         return crc32c == self.hexdigest()
 
 
-class _S3ETag:
-    """S3's ETag: the MD5 of a single-part object, else the MD5 of the parts' MD5s and ``-N``
-    (the part size is ours, given to s3fs). ``multipart``: which form to compute (a read
+class _S3Digest:
+    """S3's two checksums of the bytes we send or read. The ETag: the MD5 of a single-part
+    object, else the MD5 of the parts' MD5s and ``-N`` (the part size is ours, given to s3fs).
+    The CRC32 S3 keeps when an upload asks for it: the object's, else the CRC32 of the parts'
+    CRC32s and ``-N`` (a "composite" checksum). ``multipart``: which form to compute (a read
     takes the object's: a copy on the server may have made a multipart object a single-part
     one); by default the form our upload of ``size`` bytes takes."""
 
@@ -273,30 +309,58 @@ class _S3ETag:
         self.part = max(S3_PART, math.ceil(size / S3_MAX_PARTS))
         single = size < min(S3_SINGLE_MAX, 2 * self.part)
         self.multipart = not single if multipart is None else multipart
-        self._md5, self._parts, self._n = hashlib.md5(), [], 0
+        self._md5, self._crc, self._n = hashlib.md5(), 0, 0
+        self._parts: list[tuple[bytes, int]] = []  # each whole part's (MD5, CRC32)
 
     def update(self, data: bytes) -> None:
         if not self.multipart:
             self._md5.update(data)
+            self._crc = zlib.crc32(data, self._crc)
             return
         view = memoryview(data)
         while view:
             take = view[:self.part - self._n]
             self._md5.update(take)
+            self._crc = zlib.crc32(take, self._crc)
             self._n += len(take)
             view = view[len(take):]
             if self._n == self.part:
-                self._parts.append(self._md5.digest())
-                self._md5, self._n = hashlib.md5(), 0
+                self._end_part()
+
+    def _end_part(self) -> None:
+        self._parts.append((self._md5.digest(), self._crc))
+        self._md5, self._crc, self._n = hashlib.md5(), 0, 0
+
+    def _all_parts(self) -> list[tuple[bytes, int]]:
+        return self._parts + ([(self._md5.digest(), self._crc)] if self._n else [])
 
     def hexdigest(self) -> str:
+        """The ETag."""
         if not self.multipart:
             return self._md5.hexdigest()
-        parts = self._parts + ([self._md5.digest()] if self._n else [])
-        return f"{hashlib.md5(b''.join(parts)).hexdigest()}-{len(parts)}"
+        parts = self._all_parts()
+        return f"{hashlib.md5(b''.join(m for m, _ in parts)).hexdigest()}-{len(parts)}"
 
-    def matches(self, etag: str) -> bool:
-        return etag == self.hexdigest()
+    def crc32(self) -> str:
+        """The CRC32 in S3's form, base64 of the big-endian value (and ``-N``)."""
+        def b64(c: int) -> str:
+            return base64.b64encode(c.to_bytes(4, "big")).decode()
+        if not self.multipart:
+            return b64(self._crc)
+        parts = self._all_parts()
+        joined = b"".join(c.to_bytes(4, "big") for _, c in parts)
+        return f"{b64(zlib.crc32(joined))}-{len(parts)}"
+
+    def like(self, theirs: str | None) -> str:
+        """Ours in the form of ``theirs`` (``_server_checksum``'s)."""
+        return f"crc32:{self.crc32()}" if (theirs or "").startswith("crc32:") else \
+            self.hexdigest()
+
+    def matches(self, theirs: str) -> bool:
+        ours = self.like(theirs)
+        if theirs.startswith("crc32:") and "-" not in theirs:
+            ours = ours.split("-")[0]  # a server that gives the composite without its -N
+        return ours == theirs
 
 
 @contextlib.contextmanager
