@@ -286,3 +286,25 @@ def test_a_snapshot_is_a_copy_the_training_leaves_alone_held_in_buffers_the_next
     now = state.capture(m)
     assert all(np.array_equal(second[k], now[k]) for k in second)
     assert any(not np.array_equal(second[k], before[k]) for k in second)
+
+
+def test_the_snapshot_warm_up_is_handed_to_the_writer_after_the_first_step_once(tmp_path):
+    """Issue 38: the warm-up traced the snapshot's reader in the writer's thread as training
+    began, taking the GIL from the first step's own tracing (a cold recovery's first step was
+    0.2-0.45 s longer for it). It is handed over once the first step has been told, once."""
+    from orchestrator.train import callbacks as cbm
+    from orchestrator.checkpoint.store import CheckpointStore
+    from orchestrator.core.heartbeat import Position
+    from orchestrator.core.spec import CheckpointSpec
+
+    m, progress, order = _model(), Position(), []
+    ckpt_cb = cbm.CheckpointCallback(CheckpointStore(str(tmp_path / "ck")),
+                                     CheckpointSpec(every_epochs=1, keep=5, background=True),
+                                     progress, steps_per_epoch=8, last_epoch=2, history=[],
+                                     base_manifest={}, states=CallbackStates([]))
+    ckpt_cb.writer.prepare = lambda work: order.append(("warm-up", progress.step))
+    training = cbm.OneTraining([cbm.ProgressCallback(
+        progress, on_first_step=lambda: order.append(("first step", progress.step))), ckpt_cb])
+    m.fit(X, Y, batch_size=4, epochs=2, verbose=0, shuffle=False, callbacks=[training])
+    training.finish()
+    assert order == [("first step", 1), ("warm-up", 1)]

@@ -274,6 +274,7 @@ class CheckpointCallback(keras.callbacks.Callback):
         self.notice = notice  # preemption.PreemptionNotice: SIGTERM -> commit now, then stop
         self.writer = writer or CheckpointWriter(background=ckpt.background)
         self._snapshot = None
+        self._warming = False  # the snapshot's warm-up handed to the writer (after step 1)
         self._scalars0: dict | None = None  # holders.user_scalars when training began
         self._last_commit = time.monotonic()
         self._committed_step: int | None = None
@@ -295,9 +296,6 @@ class CheckpointCallback(keras.callbacks.Callback):
                    if k in self._scalars0 and self._scalars0[k] != v]
         return list(self._snapshot.outside) + changed
 
-    def on_train_begin(self, logs=None):
-        self.writer.prepare(self._snapshot.warm)
-
     def _due(self) -> bool:
         every, secs = self.ckpt.every_steps, self.ckpt.every_seconds
         return bool((every and self.progress.step % every == 0)
@@ -314,6 +312,12 @@ class CheckpointCallback(keras.callbacks.Callback):
         self.notice.stop(self._committed_step)
 
     def on_train_batch_end(self, batch, logs=None):
+        if not self._warming:
+            # after the attempt's first step (journaled by now), not beside it: tracing the
+            # reader in the writer's thread took the GIL from that step's own tracing, most in
+            # a recovery (the optimizer restored: twice the variables), 0.2-0.45 s of it
+            self._warming = True
+            self.writer.prepare(self._snapshot.warm)
         self.writer.check()  # a failed background write stops training here, not silently
         if self.progress.batch >= self.steps_per_epoch:
             return  # the epoch's last batch: its end commits (after validation and callbacks)

@@ -268,7 +268,7 @@ class Snapshot:
     def warm(self) -> None:
         """Trace the compiled reader now (about 60 ms for ResNet-20) and fill the host buffers
         once (their page faults: 1.08 s for 1.26 GB on JAX), not in the first checkpoint's
-        stall; the worker runs this in the writer's thread as training begins."""
+        stall; the worker runs this in the writer's thread after its first step."""
         with self._lock:
             if backends.current().traced_reader:
                 variables = self._layout()
