@@ -8,7 +8,7 @@ recovery paths; and the warm-up tiers (import only, full warm, off) one against 
 """
 from __future__ import annotations
 
-from .stats import fmt_ratio, fmt_s, md_table, median
+from .stats import fmt_ratio, fmt_s, md_table
 from .targets import ARM_LABELS, _of_cold_start, _row, cold_start
 
 RECOVERY_RATIO = 1.0  # no recovery slower than its run's cold start (issue 27)
