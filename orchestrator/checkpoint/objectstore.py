@@ -129,6 +129,12 @@ class FsspecPlace:
                 "whose ETag is no MD5, kept without the CRC32 the upload asked for)")
 
     # ---------------------------------------------------------------- write
+    def _upload_options(self, digest) -> dict:
+        """S3: our part size (the ETag's form depends on it) and the CRC32 S3 is asked to keep."""
+        if self.scheme != "s3":
+            return {}
+        return {"chunksize": digest.part, "ChecksumAlgorithm": S3_CHECKSUM}
+
     def write_file(self, key: str, local_path: str) -> None:
         size = os.path.getsize(local_path)
         digest = self._new_digest(size)
@@ -136,11 +142,7 @@ class FsspecPlace:
             for block in iter(lambda: f.read(CHUNK), b""):
                 digest.update(block)
         with _as_oserror(self.url, key):
-            if self.scheme == "s3":
-                self.fs.put_file(local_path, self.path(key), chunksize=digest.part,
-                                 ChecksumAlgorithm=S3_CHECKSUM)
-            else:
-                self.fs.put_file(local_path, self.path(key))
+            self.fs.put_file(local_path, self.path(key), **self._upload_options(digest))
         self._acknowledged(key, digest)
 
     def write_bytes(self, key: str, data: bytes) -> None:
@@ -151,10 +153,7 @@ class FsspecPlace:
         digest = self._new_digest(len(data))
         digest.update(data)
         with _as_oserror(self.url, key):
-            if self.scheme == "s3":
-                self.fs.pipe_file(self.path(key), data, ChecksumAlgorithm=S3_CHECKSUM)
-            else:
-                self.fs.pipe_file(self.path(key), data)
+            self.fs.pipe_file(self.path(key), data, **self._upload_options(digest))
         self._acknowledged(key, digest)
 
     @contextlib.contextmanager
