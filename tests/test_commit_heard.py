@@ -8,13 +8,14 @@ chief's node is a folder of its own (its local tier and control folder), the run
 import json
 import os
 import queue
+import shutil
 
 from helpers import FakeClock, TwoNodeEngine, group_attempt
 from orchestrator.checkpoint.tiers import TieredStore
 from orchestrator.core import heartbeat
 from orchestrator.core.events import Event
 from orchestrator.core.journal import Journal
-from orchestrator.core.rundir import JOURNAL_FILE, RunDir
+from orchestrator.core.rundir import RunDir
 from orchestrator.supervise.ledger import CheckpointLedger
 from orchestrator.supervise.messages import Beat, Committed, Exited
 from orchestrator.supervise.relay import Delivery, RankFiles
@@ -169,22 +170,40 @@ def test_a_beat_carries_its_writer_s_last_commits(tmp_path):
     assert heartbeat.read(str(tmp_path))["commits"] == rec["commits"]
 
 
-def test_the_epoch_reached_is_read_from_the_tiers_once_per_thing_the_ledger_learns(
+def test_the_epoch_reached_is_read_from_the_tiers_once_then_from_what_the_ledger_journals(
         tmp_path, monkeypatch):
     """Between a worker's death and the next start the loop asks the epoch reached and whether
-    the run is complete six times; each listing and verify of the tiers took 70-90 ms while the
-    mirror uploaded the last commit. They are read again only after a scan or a commit heard."""
+    the run is complete six times; a listing and verify of the tiers took 60-95 ms there, the
+    last commit's blobs hashed again. The tiers are read once; each commit the ledger journals
+    (verified as it is) is the newest from then on; only a run's end is read afresh."""
     run, node, here, journal, ledger, console, progress = _sides(tmp_path)
     reads = []
     real = here.latest_valid
     monkeypatch.setattr(here, "latest_valid", lambda **kw: (reads.append(1), real(**kw))[1])
+    assert ledger.latest_epoch() == 0 and len(reads) == 1  # the run's start reads the tiers
     _commit(here.local, 2 * SPE)
     ledger.attempt_ended()  # the scan at an attempt's end journals it
     assert [ledger.latest_epoch() for _ in range(5)] == [2] * 5
     assert not ledger.completed(3) and len(reads) == 1
+    ledger.attempt_ended()  # a scan that learns nothing reads nothing again
+    assert ledger.latest_epoch() == 2 and not ledger.completed(3) and len(reads) == 1
     c = _commit(here.local, 3 * SPE)
     assert ledger.latest_epoch() == 2 and len(reads) == 1  # nothing learned yet
     ledger.heard([{"step": c.step, "epoch": c.epoch, "path": c.path,
                    "digest": here.local.digest(c.path)}])
-    assert ledger.latest_epoch() == 3 and ledger.completed(3) and len(reads) == 2
+    assert ledger.latest_epoch() == 3 and len(reads) == 1
+    assert ledger.completed(3) and len(reads) == 2  # the end: read afresh
     assert ledger.latest().step == 3 * SPE and len(reads) == 3  # the checkpoint itself: fresh
+
+
+def test_a_run_whose_last_checkpoint_no_longer_verifies_is_not_completed(tmp_path):
+    """The end is confirmed from the tiers: a last commit journaled and then lost (its copies
+    deleted) leaves the run at the one before, to train again."""
+    run, node, here, journal, ledger, console, progress = _sides(tmp_path)
+    assert ledger.latest_epoch() == 0
+    _commit(here.local, 2 * SPE)
+    c = _commit(here.local, 3 * SPE)
+    ledger.attempt_ended()
+    assert ledger.latest_epoch() == 3
+    shutil.rmtree(c.path)
+    assert not ledger.completed(3) and ledger.latest_epoch() == 2

@@ -305,10 +305,9 @@ def test_the_ledger_journals_the_state_s_size_from_the_manifest_and_the_evidence
     for step, arrays in ((5, {"a": frozen}), (10, {"a": frozen, "b": np.zeros(2000, np.uint8)})):
         store.commit(step, None, {"epoch": 0, "batch": step}, arrays=arrays)
     journaled = []
-    ledger = CheckpointLedger.__new__(CheckpointLedger)  # _journal needs only these
-    ledger.epochs, ledger.steps = set(), set()
-    ledger.journal = type("J", (), {"append": lambda self, event, **kw: journaled.append(
+    journal = type("J", (), {"append": lambda self, event, **kw: journaled.append(
         dict(kw, event=event))})()
+    ledger = CheckpointLedger(None, journal, None, lambda: None, lambda: None)  # _journal's
     for c in reversed(store.list()):  # the newest first: the evidence goes by step
         ledger._journal(c)
     assert [e["state_bytes"] for e in journaled] == [3000, 1000]  # the arrays, shared ones too
