@@ -192,7 +192,8 @@ def test_the_epoch_reached_is_read_from_the_tiers_once_then_from_what_the_ledger
     ledger.heard([{"step": c.step, "epoch": c.epoch, "path": c.path,
                    "digest": here.local.digest(c.path)}])
     assert ledger.latest_epoch() == 3 and len(reads) == 1
-    assert ledger.completed(3) and len(reads) == 2  # the end: read afresh
+    assert ledger.completed(3) and len(reads) == 2  # the end: read afresh, once
+    assert ledger.completed(3) and len(reads) == 2
     assert ledger.latest().step == 3 * SPE and len(reads) == 3  # the checkpoint itself: fresh
 
 

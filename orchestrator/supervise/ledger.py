@@ -41,6 +41,7 @@ class CheckpointLedger:
         self.pending: dict[int, dict] = {}  # step -> a commit heard of, no verified copy yet
         self._refused: set[tuple[int, str]] = set()  # (step, digest of the copy) said once
         self._newest: Checkpoint | None | object = _UNREAD  # the newest verified: _known()
+        self._read = False  # _newest is as last read from the tiers (not from a commit)
 
     def recall(self, events: list[dict]) -> None:
         """What earlier sessions journaled already."""
@@ -133,7 +134,7 @@ class CheckpointLedger:
                             bytes_written=c.manifest.get("bytes_written"))
         self.steps.add(c.step)
         if self._newest is not _UNREAD and (self._newest is None or c.step > self._newest.step):
-            self._newest = c  # verified as it was journaled: the newest the ledger knows
+            self._newest, self._read = c, False  # verified as it was journaled
 
     def latest(self) -> Checkpoint | None:
         """The newest intact checkpoint, read from the tiers now (its path is used: the run's
@@ -147,7 +148,7 @@ class CheckpointLedger:
         after every scan, it cost 60-95 ms between a worker's death and the next one's start
         (the last commit's blobs, a second old, are hashed again: blobset's racily clean)."""
         if self._newest is _UNREAD:
-            self._newest = self.latest()
+            self._newest, self._read = self.latest(), True
         return self._newest
 
     def latest_epoch(self) -> int:
@@ -160,5 +161,7 @@ class CheckpointLedger:
         c = self._known()
         if c is None or not c.ends_run(epochs):
             return False
-        self._newest = c = self.latest()
+        if not self._read:  # the tiers confirm it once
+            self._newest, self._read = self.latest(), True
+            c = self._newest
         return c is not None and c.ends_run(epochs)
