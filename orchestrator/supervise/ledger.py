@@ -144,9 +144,9 @@ class CheckpointLedger:
 
     def _known(self) -> Checkpoint | None:
         """The newest checkpoint as the ledger knows it, for the epoch reached: read from the
-        tiers once, then each copy it journals (verified just before) if newer. Read afresh
-        after every scan, it cost 60-95 ms between a worker's death and the next one's start
-        (the last commit's blobs, a second old, are hashed again: blobset's racily clean)."""
+        tiers once, then each copy it journals (verified just before) if newer. Not read again
+        after each scan: between a worker's death and the next spawn that hashed the last
+        commit's blobs again (racily clean, blobset.py), on the cold path (BENCHMARKS.md)."""
         if self._newest is _UNREAD:
             self._newest, self._read = self.latest(), True
         return self._newest

@@ -315,7 +315,7 @@ class CheckpointCallback(keras.callbacks.Callback):
         if not self._warming:
             # after the attempt's first step (journaled by now), not beside it: tracing the
             # reader in the writer's thread took the GIL from that step's own tracing, most in
-            # a recovery (the optimizer restored: twice the variables), 0.2-0.45 s of it
+            # a recovery (the optimizer restored: twice the variables; BENCHMARKS.md)
             self._warming = True
             self.writer.prepare(self._snapshot.warm)
         self.writer.check()  # a failed background write stops training here, not silently
