@@ -51,3 +51,75 @@ def test_fit_segments_finish_the_interrupted_epoch_first():
                 deterministic=True).segments(5) == [(2, 5, 0)]
     assert plan(None, global_batch=32, steps_per_epoch=45, deterministic=True).segments(2) == [
         (0, 2, 0)]
+
+
+# ---------------------------------------------------------------- the read, beside the import
+def _run_with_a_checkpoint(fake_job):
+    """A job's spec, its run directory, and one checkpoint (epoch 3) committed to its tiers."""
+    from ckarrays import arrays_of, commit
+    from orchestrator.checkpoint import tiers
+    from orchestrator.core.rundir import RunDir
+    from orchestrator.core.specload import load
+
+    spec = load(fake_job())
+    layout = RunDir.for_spec(spec).make()
+    commit(tiers.for_spec(spec), 30, "state at step 30", {"epoch": 3, "batch": 0, "step": 30})
+    return spec, layout, arrays_of("state at step 30")
+
+
+def test_a_cold_attempt_reads_its_checkpoint_while_the_framework_imports(fake_job,
+                                                                          monkeypatch):
+    import threading
+    import time
+
+    import pytest
+
+    from orchestrator.core.heartbeat import Position
+    from orchestrator.train import attempt
+
+    spec, layout, _ = _run_with_a_checkpoint(fake_job)
+    read, seen = attempt.read, {}
+    done = threading.Event()
+
+    def reading(*args, **kw):
+        found = read(*args, **kw)
+        seen.update(thread=threading.current_thread().name, step=found.latest.step)
+        done.set()
+        return found
+
+    class Imported(Exception):
+        pass
+
+    def configure(spec, t0):  # the framework's import: over once the read is (or 10 s passed)
+        seen["read during the import"] = done.wait(10)
+        raise Imported
+
+    monkeypatch.setattr(attempt, "read", reading)
+    monkeypatch.setattr(attempt, "configure", configure)
+    with pytest.raises(Imported):
+        attempt.cold(spec, layout, 2, Position(), time.time())
+    assert seen == {"thread": "checkpoint-read", "step": 30, "read during the import": True}
+
+
+def test_the_read_beside_gives_what_a_read_in_place_gives_and_raises_where_it_is_used(
+        fake_job, monkeypatch):
+    import numpy as np
+    import pytest
+
+    from orchestrator.checkpoint.blobs import BlobError
+    from orchestrator.train import attempt, resume
+
+    spec, layout, arrays = _run_with_a_checkpoint(fake_job)
+    beside = attempt.read_beside(spec, layout, 2, 0).result(timeout=10)
+    here = attempt.read(spec, layout, 2, 0)
+    assert beside.latest.step == here.latest.step == 30
+    assert beside.arrays.keys() == here.arrays.keys() == arrays.keys()
+    assert all(np.array_equal(beside.arrays[k], arrays[k]) for k in arrays)
+
+    def unreadable(store, rank, skipped):
+        raise BlobError("a blob of step 30 reads back short")
+
+    monkeypatch.setattr(resume, "restore_point", unreadable)
+    failing = attempt.read_beside(spec, layout, 2, 0)  # started: it raises nothing here
+    with pytest.raises(BlobError, match="reads back short"):
+        failing.result(timeout=10)

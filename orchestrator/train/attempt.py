@@ -11,7 +11,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import threading
 import time
+from concurrent.futures import Future
 
 from orchestrator.checkpoint import tiers
 from orchestrator.checkpoint.store import Checkpoint, CheckpointStore
@@ -79,6 +81,21 @@ class Prepared:
     rank: int = 0  # in a multi-worker group (train/multiworker.py); 0 alone
     placement: object = None  # backends.Placement: plain (export here) and drop_remainder
     backend: object = None    # train/backends: the framework under Keras
+
+
+@dataclasses.dataclass
+class Found:
+    """What ``read`` found in the tiers: the store the attempt commits through and the newest
+    checkpoint that reads back intact, with its arrays."""
+
+    journal: Journal
+    own: object               # the local tier: what a commit's digest is read from
+    store: CheckpointStore    # commits go here (the local tier, faults wrapped around it)
+    injector: Injector
+    latest: Checkpoint | None
+    arrays: dict
+    skipped: list             # (checkpoint, why) passed over as not intact
+    read_at: float            # when the read was done (time.time())
 
 
 @dataclasses.dataclass
@@ -163,64 +180,100 @@ def prepare(spec: JobSpec, t_start: float, marks: dict) -> Prepared:
 
 def cold(spec: JobSpec, layout: RunDir, number: int, progress: Position, t_start: float,
          notice: PreemptionNotice | None = None) -> dict:
-    """A cold attempt, every step in a row. Returns a summary; raises on any failure."""
+    """A cold attempt, every step in a row, the checkpoint read beside the framework's import.
+    Returns a summary; raises on any failure."""
+    reading = read_beside(spec, layout, number, multiworker.rank())
     marks = configure(spec, t_start)
     control_dir = layout.for_rank(multiworker.rank())
     os.makedirs(control_dir, exist_ok=True)
     heart = HeartbeatWriter(control_dir, number, spec.heartbeat_interval)
     heart.beat(force=True, phase=Phase.STARTING)
     prep = prepare(spec, t_start, marks)
-    return run(prep, Attempt(layout, number, progress, t_start, marks, notice, heart))
+    return run(prep, Attempt(layout, number, progress, t_start, marks, notice, heart), reading)
 
 
-def run(prep: Prepared, attempt: Attempt) -> dict:
-    """Restore the newest verified checkpoint into the prepared model, journal
-    ``worker_ready``, train from the next batch and export. Returns a summary."""
-    restored = journal_ready(restore(prep, attempt))
+def run(prep: Prepared, attempt: Attempt, reading: Future | None = None) -> dict:
+    """Restore the newest verified checkpoint into the prepared model (``reading``: its read,
+    started earlier; None: read it now), journal ``worker_ready``, train from the next batch
+    and export. Returns a summary."""
+    restored = journal_ready(restore(prep, attempt, reading))
     if restored.finished:
         return {"epochs": restored.at.epoch, "fingerprint": state.fingerprint(prep.model)}
     return export(fit(callbacks(restored)))
 
 
-def _open(prep: Prepared, attempt: Attempt) -> Journal:
-    """This rank's control folder, journal, notice and heartbeat (a standby has none yet)."""
-    control_dir = attempt.layout.for_rank(prep.rank)
-    os.makedirs(control_dir, exist_ok=True)
+def _start(prep: Prepared, attempt: Attempt) -> None:
+    """This rank's notice and heartbeat (a standby's attempt has none yet)."""
     attempt.notice = attempt.notice or PreemptionNotice()
     if attempt.heart is None:
+        control_dir = attempt.layout.for_rank(prep.rank)
+        os.makedirs(control_dir, exist_ok=True)
         attempt.heart = HeartbeatWriter(control_dir, attempt.number, prep.spec.heartbeat_interval)
         attempt.heart.beat(force=True, phase=Phase.STARTING)
-    return Journal(os.path.join(control_dir, JOURNAL_FILE))
 
 
-def restore(prep: Prepared, attempt: Attempt) -> Restored:
-    """The newest checkpoint that verifies, loaded into the model; ``marks['restored']``."""
-    from orchestrator.train.callbacks import CallbackStates  # here: it imports Keras
-
-    spec, layout, rank = prep.spec, attempt.layout, prep.rank
-    journal = _open(prep, attempt)
+def read(spec: JobSpec, layout: RunDir, number: int, rank: int,
+         own: tiers.TieredStore | None = None) -> Found:
+    """This rank's journal and store (faults wrapped around the tiers), partial checkpoints
+    removed, and the newest checkpoint that reads back intact, its arrays hashed as they are
+    read. No framework, no model: it can run before either exists."""
+    control_dir = layout.for_rank(rank)
+    os.makedirs(control_dir, exist_ok=True)
+    journal = Journal(os.path.join(control_dir, JOURNAL_FILE))
     # a group's claims in the run directory, which every rank on every node sees (faults.py)
     injector = Injector.from_env(layout.root if multiworker.in_group() else layout.control,
-                                 attempt.number, journal, rank=rank)
-    states = CallbackStates(prep.job_callbacks)
+                                 number, journal, rank=rank)
     if multiworker.in_group():
         _sees_run_dir(layout, rank)
-    own = tiers.for_spec(spec)
+    own = own or tiers.for_spec(spec)
     store = injector.wrap_store(own)  # commits: local tier
     store.remove_partial()
     skipped = []
-    latest, arrays = resume.restore_point(store, rank, skipped)  # hashed as it is read
-    for c, why in skipped:
-        journal.append(Event.CHECKPOINT_SKIPPED, source="worker", attempt=attempt.number,
-                       step=c.step, path=c.path, reason=why)
+    latest, arrays = resume.restore_point(store, rank, skipped)
+    return Found(journal, own, store, injector, latest, arrays, skipped, time.time())
+
+
+def read_beside(spec: JobSpec, layout: RunDir, number: int, rank: int) -> Future:
+    """``read`` in a thread of its own, for a cold attempt to start before the framework's
+    import: the checkpoint's bytes are read and verified (from the disk, or a bucket after a
+    lost runtime) while the import runs, and the restore waits only for the copy into the
+    model. Its failure is raised where the attempt restores, as if read there."""
+    own = tiers.for_spec(spec)  # here: a bucket's library is imported beside no other import
+    found: Future = Future()
+    found.set_running_or_notify_cancel()
+
+    def work():
+        try:
+            found.set_result(read(spec, layout, number, rank, own))
+        except BaseException as exc:  # handed to the main thread: ``Future.result`` raises it
+            found.set_exception(exc)
+
+    threading.Thread(target=work, name="checkpoint-read", daemon=True).start()
+    return found
+
+
+def restore(prep: Prepared, attempt: Attempt, reading: Future | None = None) -> Restored:
+    """The newest checkpoint that verifies, loaded into the model; ``marks['restored']``
+    (and ``marks['read']``: when its read was done)."""
+    from orchestrator.train.callbacks import CallbackStates  # here: it imports Keras
+
+    _start(prep, attempt)
+    found = reading.result() if reading is not None else \
+        read(prep.spec, attempt.layout, attempt.number, prep.rank)
+    attempt.marks["read"] = round(found.read_at - attempt.t_start, 3)
+    for c, why in found.skipped:
+        found.journal.append(Event.CHECKPOINT_SKIPPED, source="worker", attempt=attempt.number,
+                             step=c.step, path=c.path, reason=why)
+    states = CallbackStates(prep.job_callbacks)
+    latest = found.latest
     at = resume.plan(latest.manifest if latest else None, global_batch=prep.global_batch,
-                     steps_per_epoch=prep.steps_per_epoch, deterministic=spec.deterministic)
+                     steps_per_epoch=prep.steps_per_epoch, deterministic=prep.spec.deterministic)
     restored_sha256 = None
     if latest is not None:
-        restored_sha256 = _load(prep, latest, arrays, at, states)
+        restored_sha256 = _load(prep, latest, found.arrays, at, states)
     attempt.marks["restored"] = round(time.time() - attempt.t_start, 3)
-    return Restored(prep, attempt, journal, own, store, injector, states, latest, at, arrays,
-                    restored_sha256)
+    return Restored(prep, attempt, found.journal, found.own, found.store, found.injector, states,
+                    latest, at, found.arrays, restored_sha256)
 
 
 def _load(prep: Prepared, latest: Checkpoint, arrays: dict, at: ResumePoint, states) -> str:
