@@ -317,12 +317,15 @@ class Snapshot:
 
 def fingerprint(model) -> str:
     sync(model)
-    return blobs.weights_fingerprint(np.asarray(w.numpy()) for w in model.weights)
+    view = backends.current().view
+    return blobs.weights_fingerprint(view(w) for w in model.weights)
 
 
 def state_fingerprint(model) -> str:
     """A digest over everything that decides the next step: weights, BatchNorm statistics,
     seed-generator states and optimizer variables (iterations, learning rate, slots); the
-    checkpoint's ``state_sha256`` of the same state."""
-    arrays = capture(model)
-    return blobs.weights_fingerprint(arrays[k] for k in sorted(arrays))
+    checkpoint's ``state_sha256`` of the same state. Each value is hashed from a view and let
+    go: no copy of the whole state (a restore checks it before the first step)."""
+    view = backends.current().view
+    return blobs.weights_fingerprint(view(v) for _, v in sorted(_keyed(_groups(model)),
+                                                                key=lambda kv: kv[0]))

@@ -320,6 +320,11 @@ class JaxBackend:
 
         return lambda: jax.device_get([local_value(v.value) for v in variables])
 
+    def view(self, variable) -> np.ndarray:
+        """A variable's value to read now: its array's host buffer (``.numpy()`` copies it),
+        this process's own copy in a group (``local_value``). Not to be kept."""
+        return np.asarray(local_value(variable.value))
+
     def leave(self, rc: int) -> int:
         """A rank of a group that failed exits at once: JAX's exit hook would otherwise wait
         in a shutdown barrier for every rank (300 s), while the others wait in a collective

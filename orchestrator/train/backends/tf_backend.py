@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import sys
 
+import numpy as np
+
 from orchestrator.train import datasets, multiworker
 from orchestrator.train.accelerators import gpu_memory_growth, resolve_strategy, split_cpu
 from orchestrator.train.backends.base import Placement
@@ -106,6 +108,18 @@ class TensorFlowBackend:
             return None
         fn = tf.function(lambda: [tf.identity(r) for r in raw])
         return fn
+
+    def view(self, variable) -> np.ndarray:
+        """A variable's value to read now, as an array over the tensor TensorFlow reads it into
+        (``.numpy()`` copies that into fresh memory: seconds of page faults for gigabytes);
+        a distributed variable's through ``.numpy()``. Not to be kept: TensorFlow copies a
+        variable on its next update while a read of it is held (copy-on-write)."""
+        import tensorflow as tf
+
+        value = getattr(variable, "value", variable)
+        if isinstance(value, tf.distribute.DistributedValues) or not hasattr(value, "read_value"):
+            return np.asarray(variable.numpy())
+        return np.asarray(value.read_value())
 
     def can_export_saved_model(self) -> str | None:
         return None
