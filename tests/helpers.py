@@ -339,3 +339,17 @@ def unlisted_in_run_dir(run_dir, names: Sequence[str] | None = None) -> list[str
         dirs[:] = [d for d in dirs if d not in stray]  # a stray folder is named once, not walked
         out += ['/'.join(base + [f]) for f in files if not listed(base + [f], False)]
     return sorted(out)
+
+
+def run_with_a_checkpoint(job: str, text: str = "state at step 30"):
+    """``job``'s spec, its run directory made, and one checkpoint (step 30, epoch 3) committed
+    to its tiers; with the arrays it holds."""
+    from ckarrays import arrays_of, commit
+    from orchestrator.checkpoint import tiers
+    from orchestrator.core.rundir import RunDir
+    from orchestrator.core.specload import load
+
+    spec = load(job)
+    layout = RunDir.for_spec(spec).make()
+    commit(tiers.for_spec(spec), 30, text, {"epoch": 3, "batch": 0, "step": 30})
+    return spec, layout, arrays_of(text)

@@ -1,4 +1,6 @@
-"""Where a resumed attempt starts and when it says it is not exact (no TensorFlow)."""
+"""Where a resumed attempt starts and when it says it is not exact; its checkpoint's read, beside
+the framework's import (no TensorFlow)."""
+from helpers import run_with_a_checkpoint
 from orchestrator.train.resume import NOT_DETERMINISTIC, plan
 
 
@@ -54,19 +56,6 @@ def test_fit_segments_finish_the_interrupted_epoch_first():
 
 
 # ---------------------------------------------------------------- the read, beside the import
-def _run_with_a_checkpoint(fake_job):
-    """A job's spec, its run directory, and one checkpoint (epoch 3) committed to its tiers."""
-    from ckarrays import arrays_of, commit
-    from orchestrator.checkpoint import tiers
-    from orchestrator.core.rundir import RunDir
-    from orchestrator.core.specload import load
-
-    spec = load(fake_job())
-    layout = RunDir.for_spec(spec).make()
-    commit(tiers.for_spec(spec), 30, "state at step 30", {"epoch": 3, "batch": 0, "step": 30})
-    return spec, layout, arrays_of("state at step 30")
-
-
 def test_a_cold_attempt_reads_its_checkpoint_while_the_framework_imports(fake_job,
                                                                           monkeypatch):
     import threading
@@ -77,7 +66,7 @@ def test_a_cold_attempt_reads_its_checkpoint_while_the_framework_imports(fake_jo
     from orchestrator.core.heartbeat import Position
     from orchestrator.train import attempt
 
-    spec, layout, _ = _run_with_a_checkpoint(fake_job)
+    spec, layout, _ = run_with_a_checkpoint(fake_job())
     read, seen = attempt.read, {}
     done = threading.Event()
 
@@ -109,7 +98,7 @@ def test_the_read_beside_gives_what_a_read_in_place_gives_and_raises_where_it_is
     from orchestrator.checkpoint.blobs import BlobError
     from orchestrator.train import attempt, resume
 
-    spec, layout, arrays = _run_with_a_checkpoint(fake_job)
+    spec, layout, arrays = run_with_a_checkpoint(fake_job())
     beside = attempt.read_beside(spec, layout, 2, 0).result(timeout=10)
     here = attempt.read(spec, layout, 2, 0)
     assert beside.latest.step == here.latest.step == 30

@@ -194,3 +194,49 @@ def test_an_adopted_standby_whose_warm_up_then_fails_fails_as_the_attempt_with_i
     monkeypatch.setattr(outcome, "guarded", record)
     rc = standby.serve(None, None, 3, WARM, None, time.time())
     assert rc == 1 and guarded == [(4, "the framework's import failed")]
+
+
+def test_an_adopted_standby_reads_the_checkpoint_while_it_builds_the_model(fake_job,
+                                                                           monkeypatch):
+    """Adopted during the framework's import, it still has the model to build: the checkpoint
+    is read beside that, in a thread, as a cold attempt reads it beside the import."""
+    import io
+    import threading
+
+    from helpers import run_with_a_checkpoint
+    from orchestrator.train import attempt, outcome, standby
+
+    spec, layout, _ = run_with_a_checkpoint(fake_job())
+    monkeypatch.setattr(standby, "lower_priority", lambda: 0)
+    monkeypatch.setattr(standby, "restore_priority", lambda before: None)
+    monkeypatch.setattr(sys, "stdin", io.StringIO('{"attempt": 4}\n'))  # the line comes at once
+    read, seen, done = attempt.read, {}, threading.Event()
+
+    def reading(*args, **kw):
+        found = read(*args, **kw)
+        seen.update(thread=threading.current_thread().name, step=found.latest.step)
+        done.set()
+        return found
+
+    class Built(Exception):
+        pass
+
+    def prepare(spec, t0, marks):  # the model's build: over once the read is (or 10 s passed)
+        seen["read while building"] = done.wait(10)
+        raise Built
+
+    def configure(spec, t0):
+        time.sleep(0.3)  # the promotion thread reads the line meanwhile: adopted
+        return {}
+
+    def record(rd, n, progress, body):
+        with pytest.raises(Built):
+            body()
+        return 1
+
+    monkeypatch.setattr(attempt, "read", reading)
+    monkeypatch.setattr(attempt, "configure", configure)
+    monkeypatch.setattr(attempt, "prepare", prepare)
+    monkeypatch.setattr(outcome, "guarded", record)
+    assert standby.serve(spec, layout, 3, WARM, None, time.time()) == 1
+    assert seen == {"thread": "checkpoint-read", "step": 30, "read while building": True}

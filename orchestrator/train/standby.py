@@ -20,7 +20,7 @@ from orchestrator.core.heartbeat import Position, resident_bytes
 from orchestrator.core.journal import Journal
 from orchestrator.core.rundir import EXIT_PREEMPTED
 from orchestrator.core.standbymode import StandbyMode
-from orchestrator.train import attempt, holders, outcome, state
+from orchestrator.train import attempt, holders, multiworker, outcome, state
 from orchestrator.train.preemption import Preempted
 from orchestrator.train.promotion import Promotion, lower_priority, restore_priority
 
@@ -124,7 +124,10 @@ def serve(spec, layout, number: int, mode: str, notice, t0: float) -> int:
 
     def body():
         marks = {}
+        # adopted before its model was built: the checkpoint is read while it is built
+        reading = None if prep else attempt.read_beside(spec, layout, n, multiworker.rank())
         return attempt.run(prep or attempt.prepare(spec, t_start, marks),
-                         attempt.Attempt(layout, n, progress, t_start, marks, notice, None, info))
+                           attempt.Attempt(layout, n, progress, t_start, marks, notice, None,
+                                           info), reading)
 
     return outcome.guarded(layout, n, progress, body)
