@@ -353,3 +353,22 @@ def run_with_a_checkpoint(job: str, text: str = "state at step 30"):
     layout = RunDir.for_spec(spec).make()
     commit(tiers.for_spec(spec), 30, text, {"epoch": 3, "batch": 0, "step": 30})
     return spec, layout, arrays_of(text)
+
+
+def watch_reads(monkeypatch):
+    """``attempt.read`` recorded: (``seen``, ``done``). Each read puts the thread it ran in and
+    the step it found in ``seen``, then sets ``done``."""
+    import threading
+
+    from orchestrator.train import attempt
+
+    read, seen, done = attempt.read, {}, threading.Event()
+
+    def reading(*args, **kw):
+        found = read(*args, **kw)
+        seen.update(thread=threading.current_thread().name, step=found.latest.step)
+        done.set()
+        return found
+
+    monkeypatch.setattr(attempt, "read", reading)
+    return seen, done

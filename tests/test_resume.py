@@ -1,6 +1,6 @@
 """Where a resumed attempt starts and when it says it is not exact; its checkpoint's read, beside
 the framework's import (no TensorFlow)."""
-from helpers import run_with_a_checkpoint
+from helpers import run_with_a_checkpoint, watch_reads
 from orchestrator.train.resume import NOT_DETERMINISTIC, plan
 
 
@@ -58,7 +58,6 @@ def test_fit_segments_finish_the_interrupted_epoch_first():
 # ---------------------------------------------------------------- the read, beside the import
 def test_a_cold_attempt_reads_its_checkpoint_while_the_framework_imports(fake_job,
                                                                           monkeypatch):
-    import threading
     import time
 
     import pytest
@@ -67,14 +66,7 @@ def test_a_cold_attempt_reads_its_checkpoint_while_the_framework_imports(fake_jo
     from orchestrator.train import attempt
 
     spec, layout, _ = run_with_a_checkpoint(fake_job())
-    read, seen = attempt.read, {}
-    done = threading.Event()
-
-    def reading(*args, **kw):
-        found = read(*args, **kw)
-        seen.update(thread=threading.current_thread().name, step=found.latest.step)
-        done.set()
-        return found
+    seen, done = watch_reads(monkeypatch)
 
     class Imported(Exception):
         pass
@@ -83,7 +75,6 @@ def test_a_cold_attempt_reads_its_checkpoint_while_the_framework_imports(fake_jo
         seen["read during the import"] = done.wait(10)
         raise Imported
 
-    monkeypatch.setattr(attempt, "read", reading)
     monkeypatch.setattr(attempt, "configure", configure)
     with pytest.raises(Imported):
         attempt.cold(spec, layout, 2, Position(), time.time())

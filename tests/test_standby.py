@@ -201,22 +201,15 @@ def test_an_adopted_standby_reads_the_checkpoint_while_it_builds_the_model(fake_
     """Adopted during the framework's import, it still has the model to build: the checkpoint
     is read beside that, in a thread, as a cold attempt reads it beside the import."""
     import io
-    import threading
 
-    from helpers import run_with_a_checkpoint
+    from helpers import run_with_a_checkpoint, watch_reads
     from orchestrator.train import attempt, outcome, standby
 
     spec, layout, _ = run_with_a_checkpoint(fake_job())
     monkeypatch.setattr(standby, "lower_priority", lambda: 0)
     monkeypatch.setattr(standby, "restore_priority", lambda before: None)
     monkeypatch.setattr(sys, "stdin", io.StringIO('{"attempt": 4}\n'))  # the line comes at once
-    read, seen, done = attempt.read, {}, threading.Event()
-
-    def reading(*args, **kw):
-        found = read(*args, **kw)
-        seen.update(thread=threading.current_thread().name, step=found.latest.step)
-        done.set()
-        return found
+    seen, done = watch_reads(monkeypatch)
 
     class Built(Exception):
         pass
@@ -234,7 +227,6 @@ def test_an_adopted_standby_reads_the_checkpoint_while_it_builds_the_model(fake_
             body()
         return 1
 
-    monkeypatch.setattr(attempt, "read", reading)
     monkeypatch.setattr(attempt, "configure", configure)
     monkeypatch.setattr(attempt, "prepare", prepare)
     monkeypatch.setattr(outcome, "guarded", record)
