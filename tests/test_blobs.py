@@ -57,6 +57,25 @@ def test_frozen_arrays_are_written_once_and_each_checkpoint_still_restores_whole
                    for k, a in _state(step).items())
 
 
+def test_a_restore_reads_into_memory_without_huge_pages_and_leaves_numpys_switch_as_it_was(
+        tmp_path, monkeypatch):
+    """numpy asks huge pages for its large arrays; a restore's, filled once and let go, are
+    taken with the hint off (their first touch cost 3x on this machine: BENCHMARKS.md)."""
+    switch, calls = blobs._HUGEPAGE_SWITCH, []
+
+    def recorded(on):
+        calls.append(on)
+        return switch(on)
+
+    monkeypatch.setattr(blobs, "_HUGEPAGE_SWITCH", recorded)
+    store = CheckpointStore(str(tmp_path))
+    c = store.commit(1, None, {}, arrays=_state(1, frozen_mb=8.0))
+    got = store.read_arrays(c.path)
+    assert all(np.array_equal(got[k], a) for k, a in _state(1, frozen_mb=8.0).items())
+    assert calls == [False, True] * 3  # off for each array's allocation, then back as it was
+    assert switch(True) is True  # numpy's own setting: on
+
+
 def test_large_arrays_are_chunked_so_a_partly_changed_one_rewrites_one_chunk(tmp_path,
                                                                              monkeypatch):
     monkeypatch.setattr(blobs, "CHUNK_BYTES", 1 << 16)

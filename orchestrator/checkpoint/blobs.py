@@ -11,6 +11,7 @@ digests over these hashes, and restore hashes what it reads while it reads it.
 from __future__ import annotations
 
 import hashlib
+import threading
 from dataclasses import dataclass
 from typing import BinaryIO, Iterable
 
@@ -22,6 +23,14 @@ BLOBS = "blobs"
 # fast as whole arrays do and rewrites at most 64 MiB of a partly changed embedding
 CHUNK_BYTES = 64 << 20
 PIECE_BYTES = 8 << 20  # what one write() or readinto() moves: bounded, no copy of the array
+
+
+# numpy's switch for the huge-page hint on its large arrays (private: numpy 2 ``np._core``,
+# 1.x ``np.core``; None where it is missing), and the lock around turning it off (_in_plain_pages)
+_NUMPY_CORE = getattr(np, "_core", None) or getattr(np, "core", None)
+_HUGEPAGE_SWITCH = getattr(getattr(_NUMPY_CORE, "multiarray", None), "_set_madvise_hugepage",
+                           None)
+_HUGEPAGE_LOCK = threading.Lock()
 
 
 class BlobError(Exception):
@@ -122,11 +131,27 @@ def dtype_of(name: str) -> np.dtype:
 
 
 def empty_for(ref: ArrayRef) -> np.ndarray:
-    a = np.empty(ref.shape, dtype=dtype_of(ref.dtype))
+    a = _in_plain_pages(tuple(ref.shape), dtype_of(ref.dtype))
     if a.nbytes != sum(n for _, n in ref.chunks):
         raise BlobError(f"{ref.dtype}{list(ref.shape)} is {a.nbytes} bytes, its chunks "
                         f"{sum(n for _, n in ref.chunks)}")
     return a
+
+
+def _in_plain_pages(shape: tuple, dtype) -> np.ndarray:
+    """An empty array for a restore to read into, without the huge pages numpy asks for a
+    large one (``MADV_HUGEPAGE``): their first touch took 3x as long here and slowed the
+    framework's import the read runs beside (BENCHMARKS.md). The array is filled once, copied
+    into the model and let go: huge pages buy it nothing. numpy's switch is process-wide (a
+    lock keeps two reads from leaving it off) and private: where it is missing, numpy's way."""
+    if _HUGEPAGE_SWITCH is None:
+        return np.empty(shape, dtype)
+    with _HUGEPAGE_LOCK:
+        before = _HUGEPAGE_SWITCH(False)
+        try:
+            return np.empty(shape, dtype)
+        finally:
+            _HUGEPAGE_SWITCH(before)
 
 
 def digest(refs: Iterable[ArrayRef]) -> str:
