@@ -182,9 +182,10 @@ def cold(spec: JobSpec, layout: RunDir, number: int, progress: Position, t_start
          notice: PreemptionNotice | None = None) -> dict:
     """A cold attempt, every step in a row, the checkpoint read beside the framework's import.
     Returns a summary; raises on any failure."""
-    reading = read_beside(spec, layout, number, multiworker.rank())
+    rank = multiworker.rank()
+    reading = read_beside(spec, layout, number, rank)
     marks = configure(spec, t_start)
-    control_dir = layout.for_rank(multiworker.rank())
+    control_dir = layout.for_rank(rank)
     os.makedirs(control_dir, exist_ok=True)
     heart = HeartbeatWriter(control_dir, number, spec.heartbeat_interval)
     heart.beat(force=True, phase=Phase.STARTING)
