@@ -166,8 +166,8 @@ def cold_path_markdown(runs: dict) -> list[str]:
             "the new process: the supervisor's own start for a cold start; the death's "
             "detection, the attempt's end and the spawn for a recovery), the restore (a "
             "recovery's only: the values' copy into the model and its check; the checkpoint "
-            "is read beside the framework's import), then the worker's start-up (Python, the framework's import, the "
-            "model) and its first step, the same code either way.", "",
+            "is read beside the framework's import), then the worker's start-up (Python, the "
+            "framework's import, the model) and its first step, the same code either way.", "",
             md_table(["run: start", "before the worker", "restore", "worker start-up",
                       "first step", "total", "x cold start"], rows), ""]
 

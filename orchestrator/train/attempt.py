@@ -203,7 +203,7 @@ def run(prep: Prepared, attempt: Attempt, reading: Future | None = None) -> dict
     return export(fit(callbacks(restored)))
 
 
-def _start(prep: Prepared, attempt: Attempt) -> None:
+def _notice_and_heartbeat(prep: Prepared, attempt: Attempt) -> None:
     """This rank's notice and heartbeat (a standby's attempt has none yet)."""
     attempt.notice = attempt.notice or PreemptionNotice()
     if attempt.heart is None:
@@ -258,7 +258,7 @@ def restore(prep: Prepared, attempt: Attempt, reading: Future | None = None) -> 
     (and ``marks['read']``: when its read was done)."""
     from orchestrator.train.callbacks import CallbackStates  # here: it imports Keras
 
-    _start(prep, attempt)
+    _notice_and_heartbeat(prep, attempt)
     found = reading.result() if reading is not None else \
         read(prep.spec, attempt.layout, attempt.number, prep.rank)
     attempt.marks["read"] = round(found.read_at - attempt.t_start, 3)
