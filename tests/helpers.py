@@ -205,7 +205,7 @@ def group_attempt(rd, engine, n: int = 3):
     spec = SimpleNamespace(job_dir=os.path.dirname(rd.root), stop_grace=0.0, workers=2)
     attempt = Attempt(n, ["worker"], {}, spec=spec, rd=rd, slot=slot, journal=journal,
                       standby=standby, engine=engine, group=True)
-    attempt.start(from_epoch=1)
+    attempt.start(from_epoch=lambda: 1)
     return attempt, journal
 
 

@@ -15,6 +15,7 @@ from orchestrator.checkpoint.tiers import TieredStore
 from orchestrator.core import heartbeat
 from orchestrator.core.events import Event
 from orchestrator.core.journal import Journal
+from orchestrator.recovery.faults import corrupt_payload
 from orchestrator.core.rundir import RunDir
 from orchestrator.supervise.ledger import CheckpointLedger
 from orchestrator.supervise.messages import Beat, Committed, Exited
@@ -208,3 +209,20 @@ def test_a_run_whose_last_checkpoint_no_longer_verifies_is_not_completed(tmp_pat
     assert ledger.latest_epoch() == 3
     shutil.rmtree(c.path)
     assert not ledger.completed(3) and ledger.latest_epoch() == 2
+
+
+def test_the_epoch_resumed_from_is_verified_again_once_an_attempt_ended(tmp_path):
+    """A copy journaled intact and then corrupted (by the worker that died, or beside it) is
+    not what the next attempt resumes from: once an attempt ended, the newest known copy is
+    verified again, and the one before it is the epoch resumed from."""
+    run, node, here, journal, ledger, console, progress = _sides(tmp_path)
+    assert ledger.resumable_epoch() == 0
+    _commit(here.local, 2 * SPE)
+    c = _commit(here.local, 3 * SPE)
+    ledger.scan()
+    assert ledger.resumable_epoch() == 3
+    corrupt_payload(c.path)
+    assert ledger.latest_epoch() == 3  # the ledger's last word, until an attempt ends
+    ledger.attempt_ended()
+    assert ledger.resumable_epoch() == 2 and ledger.latest_epoch() == 2
+    assert _committed(journal) == [2 * SPE, 3 * SPE]  # journaled once, as it was then

@@ -138,10 +138,11 @@ class Attempt:
         self._training = False  # a training step done: the listener was told
 
     # ------------------------------------------------------------------ start
-    def start(self, from_epoch: int) -> None:
+    def start(self, from_epoch: Callable[[], int]) -> None:
         """Its workers running: the standby's process when it may be this attempt, else new
         ones (a group's placed by its engine). ``attempt_started`` says which (``path``: the
-        promoted standby's mode, or ``cold`` and why)."""
+        promoted standby's mode, or ``cold`` and why) and, asked once they run, the epoch they
+        resume from."""
         self.t0 = self.clock.time()
         promoted, path = self.standby.promote(self.n, self.env)
         if promoted is not None:  # its exit is on the queue already, keyed by it
@@ -182,7 +183,7 @@ class Attempt:
                             addresses=[address for _, address in places])
         return places
 
-    def _running(self, from_epoch: int, path: dict | None) -> None:
+    def _running(self, from_epoch: Callable[[], int], path: dict | None) -> None:
         chief = self.members[0]
         self.proc = chief.handle if isinstance(chief.handle, subprocess.Popen) else None
         if not self.group and chief.pid is not None:  # a rank's is its node's: not read here
@@ -193,7 +194,7 @@ class Attempt:
                      workers=[m.describe(identity=True) for m in self.members]) \
             if self.group else {}
         self.journal.append(Event.ATTEMPT_STARTED, attempt=self.n, pid=chief.pid,
-                            host=chief.host, identity=chief.identity, from_epoch=from_epoch,
+                            host=chief.host, identity=chief.identity, from_epoch=from_epoch(),
                             log=self.log, **ranks, **(path or {}))
 
     # ------------------------------------------------------------------ wait

@@ -42,6 +42,7 @@ class CheckpointLedger:
         self._refused: set[tuple[int, str]] = set()  # (step, digest of the copy) said once
         self._newest: Checkpoint | None | object = _UNREAD  # the newest verified: _known()
         self._read = False  # _newest is as last read from the tiers (not from a commit)
+        self._recheck = False  # an attempt ended since _newest was verified
 
     def recall(self, events: list[dict]) -> None:
         """What earlier sessions journaled already."""
@@ -69,6 +70,7 @@ class CheckpointLedger:
         here is the scans' from now on (the group's restore gathers it, if it can)."""
         self.scan()
         self.pending.clear()
+        self._recheck = True
 
     def heard(self, commits: list[dict]) -> None:
         """Commits a rank told of with its beat (core/heartbeat.py: each ``{step, epoch,
@@ -154,6 +156,18 @@ class CheckpointLedger:
     def latest_epoch(self) -> int:
         c = self._known()
         return c.epoch if c else 0
+
+    def resumable_epoch(self) -> int:
+        """The epoch the next attempt resumes from: after an attempt ended, the newest known
+        copy is verified again (a worker, or anything beside it, may have changed it since it
+        was journaled); cached, so only what changed or is racily clean is hashed. Asked once
+        the next attempt's workers are spawned, beside their start rather than before it."""
+        c = self._known()
+        if self._recheck and c is not None:
+            if (c.tier or self.store.local).verify(c.path, cached=True) is not None:
+                self._newest, self._read = self.latest(), True
+        self._recheck = False
+        return self.latest_epoch()
 
     def completed(self, epochs: int) -> bool:
         """The last epoch is done, or the job's callbacks ended training (EarlyStopping): the

@@ -199,7 +199,7 @@ class Supervisor:
             n, self.commands.worker(self.spec, n), env, spec=self.spec, rd=self.rd,
             slot=self.slot, journal=self.journal, standby=self.standby,
             engine=self.engine, group=self.group)
-        attempt.start(self.ledger.latest_epoch())  # the standby's process, or a cold start
+        attempt.start(self.ledger.resumable_epoch)  # the standby's process, or a cold start
         self.console.attempt_started(n, self.ledger.latest_epoch())
         outcome = attempt.wait(on_checkpoint=self.ledger.scan, on_commits=self.ledger.heard,
                                duties=[Every(self.spec.probe_interval,
