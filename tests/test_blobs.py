@@ -237,3 +237,36 @@ def test_a_checkpoint_of_format_1_still_verifies_and_restores(tmp_path):
     # a format-2 commit beside them: both are listed, retention counts both
     store.commit(30, None, {"epoch": 3}, arrays=arrays(30), keep=2)
     assert [c.step for c in store.list()] == [20, 30]
+
+
+def test_hashes_taken_in_two_threads_at_once_are_each_their_own_bytes(monkeypatch):
+    """The mirror and the ledger hash blobs in two threads of the supervisor, each through a
+    read buffer kept between calls: neither sees the other's bytes, across piece boundaries."""
+    import io
+
+    import xxhash
+
+    monkeypatch.setattr(blobs, "PIECE_BYTES", 64)
+    rng = np.random.default_rng(0)
+    datas = [rng.bytes(n) for n in (1, 63, 64, 65, 200, 1000)]
+
+    class Slow(io.BytesIO):  # hands the other thread the CPU with a piece just read
+        def readinto(self, b):
+            n = super().readinto(b)
+            time.sleep(0.001)
+            return n
+
+    wrong = []
+
+    def hash_all():
+        for _ in range(20):
+            for d in datas:
+                if blobs.hash_stream(Slow(d)) != (xxhash.xxh3_128_hexdigest(d), len(d)):
+                    wrong.append(len(d))
+
+    threads = [threading.Thread(target=hash_all) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not wrong
