@@ -166,6 +166,17 @@ def test_the_cap_never_removes_the_newest_settled_nor_the_newest_written():
     assert durable_to_retire(copies, due={3}, newest=3, settled=None).steps == [1, 2]
 
 
+def test_the_only_durable_copy_stays_until_a_newer_one_is_durable():
+    """Local steps 3 and 4 are what retention keeps, but only step 1 is in the bucket: retired
+    for them, the bucket would hold no checkpoint until the next upload (seen: a machine lost
+    then resumed from step 0)."""
+    copies = {1: _fake(1)}
+    for settled in (None, {1}):
+        assert durable_to_retire(copies, due={3, 4}, newest=4, settled=settled).steps == []
+    copies[3] = _fake(3)
+    assert durable_to_retire(copies, due={3, 4}, newest=4, settled=None).steps == [1]
+
+
 # ------------------------------------------------------------------ status
 def test_status_says_whether_the_newest_copy_is_written_or_settled(tmp_path):
     run = tmp_path / "run"

@@ -264,12 +264,14 @@ def durable_to_retire(copies: dict, due: set[int], newest: int, settled: set[int
                       max_bytes: int | None = None) -> Retire:
     """Which durable copies go. ``copies``: step -> verified copy; ``due``: what retention
     keeps; ``newest``: the newest verified step of either tier; ``settled``: the settled steps
-    (None on an immediate tier: every copy). A write-back tier keeps its newest settled copy and
-    removes an older one only once a newer copy has settled, so the cloud always holds a
-    complete checkpoint; the cap never removes that copy nor the newest written one."""
+    (None on an immediate tier: every copy). The tier keeps its newest settled copy and removes
+    an older one only once a newer copy has settled, so the cloud always holds a complete
+    checkpoint: newer local ones are not in it yet (a machine lost just after the newest copy
+    was retired for them left the bucket with none); the cap never removes that copy nor the
+    newest written one."""
     anchor = max((s for s in copies if settled is None or s in settled), default=None)
     go = [s for s in sorted(copies) if s not in due and s < newest
-          and (settled is None or (anchor is not None and s < anchor))]
+          and anchor is not None and s < anchor]
     forced: list[int] = []
     over = 0
     if max_bytes is not None:
