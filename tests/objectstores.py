@@ -16,9 +16,29 @@ import time
 import urllib.error
 import urllib.request
 
-from orchestrator.supervise.group import free_port
+import random
+import socket
 
 BUCKET = "ckpt"
+
+
+def restartable_port(host: str = "127.0.0.1") -> int:
+    """A free port below the kernel's ephemeral range: the outage tests stop a server and start
+    it again on its port 10 s later, and a port from the ephemeral range was taken in between
+    by some process's outgoing connection (the emulator "exited with 1 before answering", seen
+    in a suite run)."""
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        low = int(f.read().split()[0])
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(max(1024, low - 12000), low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {max(1024, low - 12000)}..{low - 1}")
 
 
 def _wait_answering(url: str, timeout: float = 30.0, proc: subprocess.Popen | None = None):
@@ -43,7 +63,7 @@ class GcsEmulator:
     scheme = "gs"
 
     def __init__(self, data_dir: str):
-        self.data_dir, self.port, self.proc = data_dir, free_port(), None
+        self.data_dir, self.port, self.proc = data_dir, restartable_port(), None
         self.endpoint = f"http://127.0.0.1:{self.port}"
 
     def start(self) -> "GcsEmulator":
@@ -94,7 +114,7 @@ class MotoS3:
                    "AWS_DEFAULT_REGION": "us-east-1"}
 
     def __init__(self):
-        self.port, self.server = free_port(), None
+        self.port, self.server = restartable_port(), None
         self.endpoint = f"http://127.0.0.1:{self.port}"
 
     def start(self) -> "MotoS3":
