@@ -16,10 +16,14 @@ platform.processor()
 
 
 # The modules whose tests run longest (end-to-end runs with several kills, groups of workers)
-# go first: with `pytest -n`, a worker that takes one of them last would finish alone, minutes
-# after the others (seen: 5 of the suite's 17 minutes with one worker of three busy).
-LONGEST_FIRST = ("test_e2e_multiworker.py", "test_e2e_standby.py", "test_e2e.py",
-                 "test_e2e_async.py", "test_e2e_preemptions.py", "test_e2e_outage.py")
+# go first, ordered by their longest test in a suite run: with `pytest -n`, a worker that takes
+# one of them last would finish alone, minutes after the others (seen: 5 of the suite's 17
+# minutes with one worker of three busy; later, the last 60 s at half the cores idle, with the
+# 130 s LoRA and write-back tests, not listed then, started late).
+LONGEST_FIRST = ("test_e2e_standby.py", "test_e2e_lora.py", "test_e2e_colab_writeback.py",
+                 "test_e2e_multiworker.py", "test_e2e_objectstore.py", "test_e2e_anymodel.py",
+                 "test_e2e_colab.py", "test_e2e.py", "test_e2e_preemptions.py",
+                 "test_e2e_async.py", "test_e2e_outage.py")
 
 
 SOAK_ENV = "ORCHESTRATOR_SOAK"
