@@ -26,8 +26,9 @@ BOTH_BACKENDS = pytest.mark.parametrize("backend", BACKENDS)
 ONE_BACKEND = pytest.mark.parametrize("backend", ("jax",))
 # The soak tier (``ORCHESTRATOR_SOAK=1 scripts/test -m soak``): a guarantee the default suite
 # already proves on the path the test takes, proven again on the other backend, on another
-# object store or on a larger topology. The suite must stay under 10 minutes on 2 cores, and each of these costs minutes of
-# framework starts; they run before a release and after a change to the path they cover.
+# object store or on a larger topology. The suite must stay under 10 minutes on 2 cores, and
+# each of these costs minutes of framework starts; they run before a release and after a change
+# to the path they cover.
 SOAK = pytest.mark.soak
 # Both backends, TensorFlow's run in the soak tier: the path is the backend's only through Keras.
 JAX_THEN_TF_IN_SOAK = pytest.mark.parametrize(

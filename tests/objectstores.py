@@ -29,9 +29,8 @@ def restartable_port(host: str = "127.0.0.1") -> int:
     in a suite run)."""
     with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
         low = int(f.read().split()[0])
-    rng = random.Random()
     for _ in range(200):
-        port = rng.randrange(max(1024, low - 12000), low)
+        port = random.randrange(max(1024, low - 12000), low)
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:
                 s.bind((host, port))

@@ -17,10 +17,11 @@ import time
 
 import pytest
 
-from helpers import ONE_BACKEND, SOAK, live, start_run
+from helpers import ONE_BACKEND, SOAK, live, start_run, wait_until
 from objectstores import BUCKET, GcsEmulator, MotoS3
 from orchestrator.core.journal import Journal
 from orchestrator.core.osutil import pid_alive
+from orchestrator.core.procid import ProcessIdentity, signal_proven
 from test_e2e import (DIGITS_JOB, _completed, _wait_for, _wait_heartbeat,  # noqa: F401
                       digits_reference, write_job_files)
 
@@ -42,13 +43,8 @@ def bucket_server(request, tmp_path):
 def _wait_past(journal, event, after_step, timeout=120):
     """The first ``event`` (``checkpoint_committed``, ``checkpoint_durable``) of a step past
     ``after_step`` (the supervisor's events carry no attempt)."""
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        for e in journal.iter(event):
-            if e["step"] > after_step:
-                return e
-        time.sleep(0.05)
-    raise AssertionError(f"no {event} past step {after_step} within {timeout} s")
+    return wait_until(lambda: next((e for e in journal.iter(event) if e["step"] > after_step),
+                                   None), timeout, f"{event} past step {after_step}")
 
 
 @ONE_BACKEND
@@ -87,10 +83,12 @@ def test_a_run_on_a_bucket_whose_machine_is_lost_resumes_from_it_bit_exactly(
     #    copy newer than this attempt's resume is in the bucket. The worker is stopped from its
     #    first commit past it: beside the suite's other processes an upload took 4.5-8 s, and
     #    the run ended before a copy past the resume was in the bucket.
-    pid = _wait_for(journal, "attempt_started", n)["pid"]
+    started = _wait_for(journal, "attempt_started", n)
+    pid = started["pid"]
     ready = _wait_for(journal, "worker_ready", n)
     _wait_past(journal, "checkpoint_committed", ready["resumed_from_step"])
-    os.kill(pid, signal.SIGSTOP)
+    worker = ProcessIdentity.from_record(pid, started["identity"])
+    assert signal_proven(worker, signal.SIGSTOP, group=False) is None
     durable = _wait_past(journal, "checkpoint_durable", ready["resumed_from_step"])
     sup.send_signal(signal.SIGKILL)
     os.kill(pid, signal.SIGKILL)
