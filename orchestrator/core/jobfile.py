@@ -342,6 +342,23 @@ def _tensorboard_form(v):
     return v
 
 
+class Export(Section):
+    """What the end of a run writes for inference (train/export.py)."""
+
+    at_end: Boolean = Field(True, description=(
+        "export when the run completes (false: only `orchestrator export RUN_DIR` does)"))
+    saved_model: Boolean = Field(True, description=(
+        "a SavedModel too, where TensorFlow imports (a JAX run imports it for this alone)"))
+
+
+def _export_form(v):
+    if isinstance(v, bool):
+        return {"at_end": v}
+    if not isinstance(v, dict):
+        raise mistake("expected true, false or a mapping {at_end: BOOL, saved_model: BOOL}", v)
+    return v
+
+
 def _file_name(v) -> bool:
     return os.path.basename(v) == v and not v.startswith(".")
 
@@ -430,6 +447,9 @@ class JobFile(Section):
     tensorboard: Annotated[Optional[TensorBoard], BeforeValidator(
         _tensorboard_form, json_schema_input_type=Union[bool, str, TensorBoard, None])] = Field(
             None, description="true, a log directory, or {dir, every_steps}; false: no logs")
+    export: Annotated[Export, BeforeValidator(
+        _export_form, json_schema_input_type=Union[bool, Export])] = Field(
+            Export(), description="true, false (no export at the end) or {at_end, saved_model}")
     code: Optional[Code] = Field(None, description=(
         "the carried functions of orchestrator.run(model=fn, ...)"))
     backend: Choice(BACKENDS) = Field("auto", description=(

@@ -136,6 +136,15 @@ class TensorBoardSpec:
 
 
 @dataclass(frozen=True)
+class ExportSpec:
+    """What the end of a run exports (train/export.py). A SavedModel from a JAX run costs a
+    TensorFlow import in the worker; a gigabyte model is written once per format."""
+
+    at_end: bool = default("export.at_end")
+    saved_model: bool = default("export.saved_model")
+
+
+@dataclass(frozen=True)
 class RestartSpec:
     max: int = default("restarts.max")
     preemptions: int | None = default("restarts.preemptions")
@@ -228,6 +237,7 @@ class JobSpec:
     worker_resources: tuple = tuple(sorted(default("worker_resources").items()))
     recovery: RecoverySpec = RecoverySpec()
     tensorboard: TensorBoardSpec | None = None  # None: no TensorBoard logs (the default)
+    export: ExportSpec = ExportSpec()
     code: CodeSpec | None = None     # the functions orchestrator.run(model=fn, ...) carried
     backend: str = default("backend")  # resolved by load (core/backends.py): never "auto" there
 

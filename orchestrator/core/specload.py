@@ -19,7 +19,7 @@ from orchestrator.core.backends import BACKENDS, resolve as resolve_backend
 from orchestrator.core.jobfile import CELL_MODULE, SCHEDULE_TAGS, JobFile
 from orchestrator.core.rundir import TENSORBOARD_DIR, default_local_dir
 from orchestrator.core.spec import (CallbackSpec, CheckpointSpec, CodeSpec, CompileSpec,
-                                    CrashLoopSpec, Factory, JobSpec, LearningRateSpec,
+                                    CrashLoopSpec, ExportSpec, Factory, JobSpec, LearningRateSpec,
                                     RecoverySpec, RestartSpec, Rung, SpecError, TensorBoardSpec,
                                     object_store_problem)
 
@@ -62,7 +62,7 @@ def _compose(text: str, path: str) -> tuple[Any, dict]:
 TOP_KEYS = frozenset(JobFile.model_fields)
 _PLAIN_KEYS = ({f.name for f in dataclasses.fields(JobSpec)} & TOP_KEYS) - {
     "model", "data", "run_dir", "compile", "checkpoint", "restarts", "learning_rate", "callbacks",
-    "worker_resources", "recovery", "tensorboard", "code", "backend"}  # the same value in both
+    "worker_resources", "recovery", "tensorboard", "export", "code", "backend"}  # the same value in both
 _MAPPING_ERRORS = ("model_type", "model_attributes_type", "dict_type")
 
 
@@ -177,6 +177,7 @@ def _spec(job: JobFile, path: str, run_dir: str | None, backend: str | None,
         recovery=_recovery(job.recovery),
         tensorboard=(TensorBoardSpec(_tensorboard_dir(job.tensorboard.dir, rd),
                                      job.tensorboard.every_steps) if job.tensorboard else None),
+        export=ExportSpec(**job.export.model_dump()),
         code=CodeSpec(**job.code.model_dump()) if job.code else None,
         backend=resolve_backend(backend or job.backend)[0],
     )

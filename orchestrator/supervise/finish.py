@@ -113,8 +113,13 @@ class RunEnd:
 
     def _export(self, final) -> None:
         """Export the final model for inference in a separate process (it imports TF), unless
-        the last worker exported these weights already."""
+        the last worker exported these weights already, or the job asks for no export at
+        the end (``export.at_end: false``: a gigabyte model written again in each format)."""
         if self.export_cmd is None or final is None:
+            return
+        if not self.spec.export.at_end:
+            log.info(f"no export at the end (the job's export.at_end is false); "
+                     f"`orchestrator export {self.rd.root}` writes one")
             return
         done = read_json(os.path.join(self.rd.export, "export.json")) or {}
         if done.get("weights_sha256") == final.manifest.get("weights_sha256"):

@@ -71,6 +71,8 @@ def at_end(spec, layout: RunDir, store, model, journal, heart, attempt,
     trained on the CPU with no distribution strategy, which is what the exporter process would
     build; otherwise (TPU, GPU, replicas), and when this fails, the supervisor runs the
     exporter process (it sees no export of the final weights)."""
+    if not spec.export.at_end:
+        return
     final = store.latest_valid()
     if final is None or not final.ends_run(spec.epochs):
         return
@@ -110,13 +112,17 @@ def write(model, spec, checkpoint, out: str) -> dict:
             # no forward pass to build it by: built is what its sub-models are (Keras's own
             # default build() records just that), and save_weights asks for it
             model.built = True
-        model.save_weights(os.path.join(tmp, "model.weights.h5"))
+        backend = backends.current()
+        with backend.saving():
+            model.save_weights(os.path.join(tmp, "model.weights.h5"))
         files = ["model.weights.h5"]
-        why_not = backends.current().can_export_saved_model()
+        why_not = backend.can_export_saved_model() if spec.export.saved_model \
+            else "the job's export.saved_model is false"
         keras_file = _NO_CALL
         if _callable(model):
-            keras_file = _attempt(lambda: model.save(os.path.join(tmp, "model.keras")),
-                                  "model.keras")
+            with backend.saving():
+                keras_file = _attempt(lambda: model.save(os.path.join(tmp, "model.keras")),
+                                      "model.keras")
             if keras_file == "model.keras":
                 files.append(keras_file)
         else:

@@ -6,6 +6,7 @@ state read by one compiled function (state.py's ``Snapshot``).
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 
 import numpy as np
@@ -123,6 +124,10 @@ class TensorFlowBackend:
 
     def can_export_saved_model(self) -> str | None:
         return None
+
+    def saving(self):
+        """TensorFlow is this process's framework: Keras's saving asks nothing it lacks."""
+        return contextlib.nullcontext()
 
     def after_compile(self) -> None:
         """TensorFlow keeps no compile cache across processes: nothing to mirror."""
