@@ -35,6 +35,15 @@ JAX_THEN_TF_IN_SOAK = pytest.mark.parametrize(
     "backend", ("jax", pytest.param("tensorflow", marks=SOAK)))
 
 
+# A run whose test is not about the export leaves the SavedModel out: on JAX it imports
+# TensorFlow at the end of every run (2.7 of a digits worker's 7.7 s on this machine, and half
+# its peak memory), on TensorFlow it traces the model once more. The export's own tests, and the
+# reference runs whose export they read, keep it. A group's run, which a separate exporter
+# process would export (a framework start of its own), exports nothing.
+NO_SAVED_MODEL = "export: {saved_model: false}\n"
+NO_EXPORT = "export: false\n"
+
+
 def once_per_session(tmp_path_factory, name: str, make):
     """``make(folder)``'s JSON result, computed once for the whole test session even when
     pytest-xdist runs it in several processes (the first to ask computes it under a file lock;

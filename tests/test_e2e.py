@@ -13,7 +13,7 @@ import pytest
 from watchdog.events import FileSystemEventHandler
 from watchdog.observers import Observer
 
-from helpers import BOTH_BACKENDS, ROOT, live, once_per_session
+from helpers import BOTH_BACKENDS, NO_SAVED_MODEL, ROOT, live, once_per_session
 from orchestrator.core import heartbeat
 from orchestrator.core.journal import Journal
 from orchestrator.core.osutil import pid_alive
@@ -38,7 +38,7 @@ callbacks:
 checkpoint: {every_epochs: 1, every_steps: 10, keep: 2}
 restarts: {max: 8, backoff: {initial: 0.2, max: 1}}
 heartbeat_interval: 0.05
-"""
+""" + NO_SAVED_MODEL
 EVERY_STEPS = 10
 
 # A relative rule: applying it twice to one epoch (a resumed one) would change the result.
@@ -62,10 +62,11 @@ def digits_job(tmp_path, backend):
 def digits_reference(tmp_path_factory, backend):
     """One uninterrupted run of the digits job on ``backend``, run once for the session: its
     journal's ``events``, its ``job`` file and ``run`` directory (read, never written, by the
-    tests that compare a faulted run with it or read its export)."""
+    tests that compare a faulted run with it or read its export: a SavedModel too)."""
     def run(where):
         write_job_files(where)
-        (where / "job.yaml").write_text(DIGITS_JOB + f"backend: {backend}\n")
+        (where / "job.yaml").write_text(DIGITS_JOB.replace(NO_SAVED_MODEL, "")
+                                        + f"backend: {backend}\n")
         p = _start(str(where / "job.yaml"), where / "run")
         out, _ = p.communicate(timeout=300)
         assert p.returncode == 0, out

@@ -49,6 +49,7 @@ if __name__ == "__main__":
                  "metrics": ("accuracy",)},
         checkpoint={"every_epochs": 1, "every_steps": 5, "background": False},
         heartbeat_interval=0.1,
+        export={"saved_model": False},  # helpers.NO_SAVED_MODEL
         standby="off"))
 '''
 

@@ -51,7 +51,7 @@ import tempfile
 
 import pytest
 
-from helpers import ROOT, SOAK, live, once_per_session, wait_while_running
+from helpers import NO_EXPORT, ROOT, SOAK, live, once_per_session, wait_while_running
 from orchestrator.core import heartbeat
 from orchestrator.core.journal import Journal
 from orchestrator.core.procid import ProcessIdentity, signal_proven
@@ -72,7 +72,7 @@ workers: 2
 checkpoint: {every_epochs: 1, every_steps: 20}
 heartbeat_interval: 0.05
 restarts: {backoff: {initial: 0.1}}
-"""
+""" + NO_EXPORT
 
 
 def _job(tmp_path, extra=""):

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from helpers import JAX_THEN_TF_IN_SOAK, ROOT, live, wait_until
+from helpers import JAX_THEN_TF_IN_SOAK, NO_SAVED_MODEL, ROOT, live, wait_until
 from test_e2e import DIGITS_JOB, digits_reference, write_job_files  # noqa: F401
 from orchestrator.core import heartbeat
 from orchestrator.core.journal import Journal
@@ -33,7 +33,7 @@ seed: 5
 deterministic: true
 checkpoint: {every_epochs: 1}
 heartbeat_interval: 0.05
-"""
+""" + NO_SAVED_MODEL
 
 BUGGY_CALLBACK = '''
 import keras

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from helpers import ROOT
+from helpers import NO_SAVED_MODEL, ROOT
 from orchestrator.core.journal import Journal
 
 pytestmark = pytest.mark.e2e
@@ -26,7 +26,7 @@ hang_timeout: 8
 stop_grace: 2
 restarts: {max: 4, backoff: {initial: 0.2, max: 1}}
 standby: off
-"""
+""" + NO_SAVED_MODEL
 # hang_timeout: 3 s was a false hang once, with four test processes on 2 cores. No standby: the
 # ladders are what these tests are about, and on 2 cores `auto` starts one after the first
 # failure that would only cost a framework start.

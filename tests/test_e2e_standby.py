@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from helpers import JAX_THEN_TF_IN_SOAK, ROOT, live, wait_until
+from helpers import JAX_THEN_TF_IN_SOAK, NO_SAVED_MODEL, ROOT, live, wait_until
 from test_e2e import DIGITS_JOB, digits_reference, write_job_files  # noqa: F401
 from orchestrator.core import heartbeat
 from orchestrator.core.journal import Journal
@@ -31,7 +31,7 @@ learning_rate: {schedule: step_decay, factor: 0.9, every: 5}
 checkpoint: {every_epochs: 1, every_steps: 10, keep: 2}
 restarts: {max: 4, backoff: {initial: 0.2, max: 1}}
 heartbeat_interval: 0.05
-"""
+""" + NO_SAVED_MODEL
 
 
 # The killed run is the digits job of test_e2e, compared with the session's uninterrupted run

@@ -10,7 +10,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import noimport
-from helpers import JAX_THEN_TF_IN_SOAK, ROOT
+from helpers import JAX_THEN_TF_IN_SOAK, NO_SAVED_MODEL, ROOT
 from orchestrator.core.journal import Journal
 from orchestrator.train.tensorboard import HISTORY_FILE
 
@@ -30,7 +30,7 @@ checkpoint: {every_epochs: 1, every_steps: 20, keep: 2}
 restarts: {max: 3, backoff: {initial: 0.2, max: 1}}
 tensorboard: {every_steps: 5}
 standby: off
-"""
+""" + NO_SAVED_MODEL
 SPE = 45  # 1438 training digits in batches of 32
 
 
