@@ -87,9 +87,12 @@ def test_a_worker_killed_mid_epoch_leaves_every_step_once_and_in_order(tmp_path,
 
 
 def test_a_job_asking_for_tensorboard_without_it_fails_once_naming_the_key(tmp_path):
-    env = noimport.env_without(tmp_path / "site", "tensorboard")
-    rc, out, run, events = _run(tmp_path, env=env)
+    # the worker fails before the framework's import: Keras and TensorFlow blocked too, and
+    # never tried (seconds of a failure that a key decides)
+    rc, out, run, events = _run(tmp_path, env=noimport.env_without(
+        tmp_path / "worker-site", "tensorboard", "keras", "tensorflow"))
     assert rc == 1, out
+    assert set(noimport.attempted(tmp_path / "worker-site")) == {"tensorboard"}
     assert sum(e["event"] == "attempt_started" for e in events) == 1
     assert not any(e["event"] == "first_step" for e in events)  # failed before training
     failed = events[-1]
@@ -97,6 +100,7 @@ def test_a_job_asking_for_tensorboard_without_it_fails_once_naming_the_key(tmp_p
     assert "key 'tensorboard'" in failed["error"]["message"]
     assert "pip install 'orchestrator[tensorboard]'" in out
     # ... and the doctor says so before a run
+    env = noimport.env_without(tmp_path / "site", "tensorboard")
     p = subprocess.run([sys.executable, "-m", "orchestrator", "doctor", str(tmp_path / "job.yaml")],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 1, p.stdout + p.stderr

@@ -199,10 +199,11 @@ def _callback_attempt(model, log_dir, resumed_step, last_step, spe=4):
     """One attempt's callback, from the step after ``resumed_step`` to ``last_step`` (killed
     there unless it is the end of an epoch), batch points every 2 steps."""
     from orchestrator.core.heartbeat import Position
+    from orchestrator.train.callbacks import TensorBoardCallback
 
     progress = Position()
     progress.step = resumed_step
-    cb = tb.TensorBoardCallback(str(log_dir), 2, progress, resumed_step)
+    cb = TensorBoardCallback(str(log_dir), 2, progress, resumed_step)
     cb.set_model(model)
     cb.on_train_begin()
     while progress.step < last_step:

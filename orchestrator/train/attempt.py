@@ -26,7 +26,8 @@ from orchestrator.core.rundir import (CPU_DEVICES_ENV, ENV_BATCH_SIZE, ENV_REINI
 from orchestrator.core.spec import JobSpec
 from orchestrator.core.standbymode import StandbyMode
 from orchestrator.recovery.faults import Injector
-from orchestrator.train import backends, datasets, jobcode, multiworker, resume, state
+from orchestrator.train import (backends, datasets, jobcode, multiworker, resume, state,
+                                tensorboard)
 from orchestrator.train import export as exporting
 from orchestrator.train.errors import JobError
 from orchestrator.train.preemption import PreemptionNotice
@@ -140,10 +141,7 @@ class Training:
 def configure(spec: JobSpec, t_start: float) -> dict:
     """Import the run's framework with its devices set up first (what the framework reads when
     it initialises them); returns the start-up marks so far."""
-    if spec.tensorboard:
-        from orchestrator.train import tensorboard  # here: it imports Keras
-
-        # before the framework's import (seconds): one line naming the key and the extra
+    if spec.tensorboard:  # before the framework's import (seconds): one line, the key, the extra
         tensorboard.require()
     backend = backends.for_name(spec.backend)
     # a standby beside the worker needs device memory left to it (GPU memory growth, no
@@ -326,8 +324,6 @@ def journal_ready(restored: Restored) -> Restored:
     if at.not_exact:
         restored.not_exact(at.not_exact)
     if spec.tensorboard:
-        from orchestrator.train import tensorboard  # here: it imports Keras
-
         dropped = tensorboard.repair(spec.tensorboard.dir, at.step)
         if dropped:
             log.info(f"tensorboard: dropped {dropped} point(s) past step {at.step} "
@@ -372,9 +368,7 @@ def callbacks(restored: Restored) -> Training:
             on_epoch_end=lambda epoch, logs: backend.after_compile()),
     ]
     if spec.tensorboard:  # before the checkpoint: a step's points are flushed before it commits
-        from orchestrator.train import tensorboard  # here: it imports Keras
-
-        inner.append(tensorboard.TensorBoardCallback(
+        inner.append(cbs.TensorBoardCallback(
             spec.tensorboard.dir, spec.tensorboard.every_steps, attempt.progress, at.step))
     inner.append(_checkpoint_callback(restored, writer))
     if restored.injector:

@@ -8,12 +8,13 @@ captures what the job's own callbacks (ReduceLROnPlateau, EarlyStopping) did at 
 from __future__ import annotations
 
 import copy
+import os
 import time
 
 import keras
 import numpy as np
 
-from orchestrator.train import holders, state
+from orchestrator.train import holders, state, tensorboard
 from orchestrator.checkpoint import blobs, writer
 from orchestrator.checkpoint.store import CheckpointStore
 from orchestrator.checkpoint.writer import CheckpointWriter
@@ -401,3 +402,56 @@ class FaultCallback(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         self.injector.at_step(self.progress.step)
+
+
+class TensorBoardCallback(keras.callbacks.Callback):
+    """Writes TensorBoard's scalars (into train/tensorboard.py's files) at the global step
+    ``progress.step`` (kept by the ProgressCallback, which must come before this one); goes
+    before the CheckpointCallback, so that the points of a step are on disk before that step's
+    checkpoint commits."""
+
+    def __init__(self, log_dir: str, every_steps: int, progress: Position, resumed_step: int):
+        super().__init__()
+        self.log_dir, self.every_steps, self.progress = log_dir, every_steps, progress
+        self.resumed_step = resumed_step
+        self._writers: dict = {}
+        self._lr = None
+
+    def _writer(self, run: str) -> tensorboard.EventFile:
+        """The run folder's file of this attempt, opened at its first point; its START marker
+        makes a TensorBoard already watching purge what it had read past the restored step."""
+        if run not in self._writers:
+            self._writers[run] = tensorboard.EventFile(os.path.join(self.log_dir, run),
+                                           self.resumed_step + 1)
+        return self._writers[run]
+
+    def _write(self, run: str, prefix: str, scalars: dict) -> None:
+        if not scalars:
+            return
+        writer = self._writer(run)
+        for name, value in scalars.items():
+            writer.scalar(prefix + name, value, self.progress.step)
+        writer.flush()
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._lr = get_learning_rate(self.model.optimizer)  # the rate this epoch trains with
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.every_steps and self.progress.step % self.every_steps == 0:
+            lr = get_learning_rate(self.model.optimizer)  # None: no model.optimizer
+            self._write("train", "batch_", {**(logs or {}), **(
+                {"learning_rate": lr} if lr is not None else {})})
+
+    def on_epoch_end(self, epoch, logs=None):
+        logs = logs or {}
+        train = {k: v for k, v in logs.items() if not k.startswith("val_")}
+        if self._lr is not None:
+            train["learning_rate"] = self._lr  # not ReduceLROnPlateau's end-of-epoch rate
+        self._write("train", "epoch_", train)
+        self._write("validation", "epoch_", {k[4:]: v for k, v in logs.items()
+                                             if k.startswith("val_")})
+
+    def on_train_end(self, logs=None):
+        for w in self._writers.values():
+            w.close()
+        self._writers = {}

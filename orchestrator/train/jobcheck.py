@@ -24,15 +24,13 @@ from orchestrator.core.osutil import write_json_atomic
 from orchestrator.core.rundir import EXIT_CONFIG
 from orchestrator.core.spec import SpecError
 from orchestrator.core.specload import load
-from orchestrator.train import holders, jobcode
+from orchestrator.train import holders, jobcode, tensorboard
 from orchestrator.train.errors import JobError
 
 
 def check(spec) -> str:
     """Every job-code check in the worker's order; returns what was built, in words."""
     if spec.tensorboard:  # before the framework's import, as the worker does
-        from orchestrator.train import tensorboard  # here: it imports Keras
-
         tensorboard.require()
     backend = jobcode.import_framework(spec)
 

@@ -4,8 +4,9 @@ Every point is written at the run's global step, so all attempts lie on one axis
 killed attempt wrote past the restored checkpoint are dropped: ``repair`` rewrites each run
 folder into one *history* file before the attempt writes, and each attempt's own file starts
 with ``SessionLog.START`` at the restored step + 1 for a TensorBoard already watching. Points
-are flushed before the checkpoint commits their step. No TensorFlow on either backend: only
-what the ``tensorboard`` package ships that needs none. Why Keras' own callback and
+are flushed before the checkpoint commits their step (the writer: ``callbacks.TensorBoardCallback``).
+No TensorFlow on either backend: only what the ``tensorboard`` package ships that needs none; and
+no Keras here, so that ``require`` fails a job before the framework's import. Why Keras' own callback and
 TensorBoard's purge do not do it: ARCHITECTURE.md, "TensorBoard across restarts".
 """
 from __future__ import annotations
@@ -16,11 +17,7 @@ import socket
 import sys
 import time
 
-import keras
-
-from orchestrator.core.heartbeat import Position
 from orchestrator.train.errors import JobError
-from orchestrator.train.schedules import get_learning_rate
 
 RUNS = ("train", "validation")  # TensorBoard's runs (sub-folders), as Keras names them
 # Sorts before every "events.out.tfevents.<seconds since 1970>..." file tf.summary creates.
@@ -156,55 +153,3 @@ def truncate(folder: str, step: int) -> int:
 def repair(log_dir: str, step: int) -> int:
     """``truncate`` each run folder of ``log_dir`` at the restored ``step``; points dropped."""
     return sum(truncate(os.path.join(log_dir, run), step) for run in RUNS)
-
-
-class TensorBoardCallback(keras.callbacks.Callback):
-    """Writes the scalars at the global step ``progress.step`` (kept by the ProgressCallback,
-    which must come before this one); goes before the CheckpointCallback, so that the points of
-    a step are on disk before that step's checkpoint commits."""
-
-    def __init__(self, log_dir: str, every_steps: int, progress: Position, resumed_step: int):
-        super().__init__()
-        self.log_dir, self.every_steps, self.progress = log_dir, every_steps, progress
-        self.resumed_step = resumed_step
-        self._writers: dict = {}
-        self._lr = None
-
-    def _writer(self, run: str) -> EventFile:
-        """The run folder's file of this attempt, opened at its first point; its START marker
-        makes a TensorBoard already watching purge what it had read past the restored step."""
-        if run not in self._writers:
-            self._writers[run] = EventFile(os.path.join(self.log_dir, run),
-                                           self.resumed_step + 1)
-        return self._writers[run]
-
-    def _write(self, run: str, prefix: str, scalars: dict) -> None:
-        if not scalars:
-            return
-        writer = self._writer(run)
-        for name, value in scalars.items():
-            writer.scalar(prefix + name, value, self.progress.step)
-        writer.flush()
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self._lr = get_learning_rate(self.model.optimizer)  # the rate this epoch trains with
-
-    def on_train_batch_end(self, batch, logs=None):
-        if self.every_steps and self.progress.step % self.every_steps == 0:
-            lr = get_learning_rate(self.model.optimizer)  # None: no model.optimizer
-            self._write("train", "batch_", {**(logs or {}), **(
-                {"learning_rate": lr} if lr is not None else {})})
-
-    def on_epoch_end(self, epoch, logs=None):
-        logs = logs or {}
-        train = {k: v for k, v in logs.items() if not k.startswith("val_")}
-        if self._lr is not None:
-            train["learning_rate"] = self._lr  # not ReduceLROnPlateau's end-of-epoch rate
-        self._write("train", "epoch_", train)
-        self._write("validation", "epoch_", {k[4:]: v for k, v in logs.items()
-                                             if k.startswith("val_")})
-
-    def on_train_end(self, logs=None):
-        for w in self._writers.values():
-            w.close()
-        self._writers = {}
