@@ -15,6 +15,22 @@ from orchestrator.core import logs
 platform.processor()
 
 
+def pytest_configure(config):
+    """The test processes' own Keras is on TensorFlow, whichever test comes first: Keras reads
+    KERAS_BACKEND once, at its import, and a test on JAX sets it for the processes it starts
+    (``_keras_backend``). The unit tests that build models in this process assert TensorFlow's
+    texts; in a process whose first import came from a JAX test, they failed. (pytest-xdist's
+    controller runs no test: it imports nothing.)"""
+    import os
+
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        return
+    os.environ["KERAS_BACKEND"] = "tensorflow"
+    import keras
+
+    assert keras.backend.backend() == "tensorflow", keras.backend.backend()
+
+
 # The modules whose tests run longest (end-to-end runs with several kills, groups of workers)
 # go first, ordered by their longest test in a suite run: with `pytest -n`, a worker that takes
 # one of them last would finish alone, minutes after the others (seen: 5 of the suite's 17
