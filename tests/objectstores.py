@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -113,16 +114,38 @@ class MotoS3:
                    "AWS_DEFAULT_REGION": "us-east-1"}
 
     def __init__(self):
-        self.port, self.server = restartable_port(), None
+        self.port, self.server, self.started_once = restartable_port(), None, False
         self.endpoint = f"http://127.0.0.1:{self.port}"
 
     def start(self) -> "MotoS3":
+        """moto's own ``start`` waits for ever when its server thread dies binding the port: a
+        suite run hung there, that thread gone. A first start takes another port, up to three
+        times; a restart (the outage tests: the same port) fails naming it."""
+        for n in range(1 if self.started_once else 3):
+            if n:
+                self.port = restartable_port()
+                self.endpoint = f"http://127.0.0.1:{self.port}"
+            if self._started():
+                self.started_once = True
+                return self
+        raise RuntimeError(f"moto's S3 server did not start on port {self.port} (its thread died "
+                           f"binding it, or 30 s passed)")
+
+    def _started(self, timeout: float = 30.0) -> bool:
         from moto.server import ThreadedMotoServer
 
-        self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
-        self.server.start()
+        server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
+        starting = threading.Thread(target=server.start, daemon=True)
+        starting.start()
+        deadline = time.monotonic() + timeout
+        while starting.is_alive():  # until the server is ready, or its thread died binding
+            inner = getattr(server, "_thread", None)  # moto's server thread
+            if (inner is not None and not inner.is_alive()) or time.monotonic() > deadline:
+                return False
+            starting.join(0.05)
+        self.server = server
         _wait_answering(f"{self.endpoint}/moto-api/")
-        return self
+        return True
 
     def create_bucket(self) -> None:
         import boto3
