@@ -140,7 +140,8 @@ class MotoS3:
         deadline = time.monotonic() + timeout
         while starting.is_alive():  # until the server is ready, or its thread died binding
             inner = getattr(server, "_thread", None)  # moto's server thread
-            if (inner is not None and not inner.is_alive()) or time.monotonic() > deadline:
+            died = inner is not None and inner.ident is not None and not inner.is_alive()
+            if died or time.monotonic() > deadline:  # (ident: it was started, then ended)
                 return False
             starting.join(0.05)
         self.server = server
