@@ -422,7 +422,7 @@ class TensorBoardCallback(keras.callbacks.Callback):
         makes a TensorBoard already watching purge what it had read past the restored step."""
         if run not in self._writers:
             self._writers[run] = tensorboard.EventFile(os.path.join(self.log_dir, run),
-                                           self.resumed_step + 1)
+                                                       self.resumed_step + 1)
         return self._writers[run]
 
     def _write(self, run: str, prefix: str, scalars: dict) -> None:
