@@ -182,6 +182,31 @@ def test_mirror_copies_reads_back_and_marks_each_checkpoint(tiers, tmp_path):
     assert sorted(e["step"] for e in _events(journal, "checkpoint_durable")) == [1, 2, 3]
 
 
+def test_a_durable_copy_cut_before_its_marker_goes_once_a_newer_one_verifies(tmp_path):
+    """An earlier session's mirror lost the mount (or was killed) between the rename and the
+    commit marker: that directory never becomes a checkpoint and, unless retention removes it,
+    stays in the completed run's directory. While no newer copy verifies there they all stay;
+    one whose marker does not verify is no cut copy, and stays for a look."""
+    old = TieredStore(str(tmp_path / "old-vm"), str(tmp_path / "drive" / "checkpoints"))
+    _three_in_both_tiers(old, tmp_path)
+    os.remove(os.path.join(old.durable.path_for(1), COMMIT_MARKER))  # cut before its marker
+    os.remove(os.path.join(old.durable.path_for(3), COMMIT_MARKER))
+    with open(os.path.join(old.durable.path_for(2), COMMIT_MARKER), "w") as f:
+        f.write("0" * 64)  # a marker that does not match: not cut short, kept for a look
+    new = TieredStore(str(tmp_path / "new-vm"), old.durable.root)  # a new VM, resumed
+    m, journal = _mirror(new, tmp_path)
+    m.start()
+    assert m.flush(30) == []
+    assert [c.step for c in new.durable.list()] == [1, 2, 3]  # none verifies there yet
+    _commit(new, 4)
+    m.notify()
+    assert m.flush(30) == []
+    m.stop()
+    assert [c.step for c in new.durable.list()] == [2, 4]
+    assert _durable_verified(new) == [4]
+    assert [e["steps"] for e in _events(journal, "checkpoints_retired")] == [[1, 3]]
+
+
 @pytest.mark.parametrize("err", [errno.ENOTCONN, errno.EIO, errno.ENOSPC])
 def test_durable_outage_is_journaled_retried_and_flushed(tiers, tmp_path, err):
     remounts = []

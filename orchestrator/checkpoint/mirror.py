@@ -77,6 +77,7 @@ class DurableMirror:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._durable_ok: dict[int, Checkpoint] = {}  # durable copies read back and verified
+        self._durable_failed: list[Checkpoint] = []  # listed there at the last look, not verified
         self._bad_local: set[tuple] = set()  # local copies that failed to verify (journaled once)
         self._last_remount = float("-inf")
         self._journaled_backlog: tuple | None = None
@@ -136,6 +137,7 @@ class DurableMirror:
             raise self.store.durable_error  # unreachable: keep what we knew, retry
         self._durable_ok = {c.step: c for c in listed
                             if self.store.durable.verify(c.path, cached=True) is None}
+        self._durable_failed = [c for c in listed if c.step not in self._durable_ok]
         self.settling.seen(self._durable_ok, lambda: written_here(self.store.local.list()))
         for c in self.store.local.list():
             if c.step not in self._durable_ok:
@@ -343,6 +345,7 @@ class DurableMirror:
                 self.settling.forget(step)
                 removed["durable"].append(step)
             self._journal_cap(plan)
+            removed["durable"] += self._remove_cut_short()
         local = [c for c in self.store.local.list() if c.step in verified]
         recent = {c.step for c in local[-self.retention.keep:]}
         for c in local:
@@ -357,6 +360,22 @@ class DurableMirror:
                 getattr(self.store, tier).collect_blobs()
                 self.journal.append(Event.CHECKPOINTS_RETIRED, tier=tier, steps=steps)
 
+
+    def _remove_cut_short(self) -> list[int]:
+        """Remove the durable copies whose commit stopped before its marker (the supervisor of
+        an earlier session killed, or its mount lost, mid-copy) once a newer copy verifies
+        there: left, they stay in a completed run's directory for ever. Only this thread
+        writes the durable tier, so none of them is a copy under way; a copy that fails to
+        verify for another reason stays, for whoever looks into it."""
+        if not self._durable_ok:
+            return []
+        newest = max(self._durable_ok)
+        cut = [c for c in self._durable_failed
+               if c.step < newest and self.store.durable.cut_short(c.path)]
+        for c in cut:
+            self.store.durable.remove(c)
+        self._durable_failed = [c for c in self._durable_failed if c not in cut]
+        return [c.step for c in cut]
 
     def _journal_cap(self, plan) -> None:
         """Say once when the space cap forced retention's hand (checkpoint/settle.py)."""

@@ -299,6 +299,17 @@ class CheckpointStore:
                 removed.append(name)
         return removed
 
+    def cut_short(self, path: str) -> bool:
+        """True when the directory at ``path`` was renamed into place but never got its commit
+        marker (its writer died or lost the mount in between): no later write completes it, so
+        it never becomes a checkpoint. An unreadable marker (an outage) is not taken for a
+        missing one."""
+        try:
+            self.place.read_bytes(f"{os.path.basename(path)}/{COMMIT_MARKER}")
+        except FileNotFoundError:
+            return True
+        return False
+
     # ---------------------------------------------------------------- read side
     def path_for(self, step: "int | str") -> str:
         return os.path.join(self.root, step if isinstance(step, str) else f"{step:010d}")
