@@ -10,13 +10,14 @@ the worker's attempt log, heartbeat and journal were on the run directory.
 import json
 import os
 import random
+import shutil
 import signal
 import time
 
 import pytest
 
 from helpers import supervisor_process
-from orchestrator.checkpoint.store import CheckpointStore
+from orchestrator.checkpoint.store import COMMIT_MARKER, CheckpointStore
 from orchestrator.core.journal import Journal
 from orchestrator.core.rundir import EXIT_LOCK_LOST, RunDir
 from orchestrator.core.specload import load
@@ -145,6 +146,11 @@ def test_a_supervisor_killed_during_an_outage_resumes_on_a_new_vm_from_the_run_d
         os.kill(worker, signal.SIGKILL)
     reached = {c.epoch for c in durable.list()}
     assert 1 in reached and 2 not in reached  # epoch 2 never reached the run directory
+    # and an older copy the outage cut between its rename and its marker (seen in a run of the
+    # test above): no checkpoint, and the new VM's mirror removes it once a newer one verifies
+    cut = durable.path_for(5)
+    shutil.copytree(next(c.path for c in durable.list() if c.epoch == 1), cut)
+    os.remove(os.path.join(cut, COMMIT_MARKER))
     new_vm = tmp_path / "new-vm-local"
     job2 = fake_job(epochs=4, extra=f"checkpoint: {{local_dir: {new_vm}}}")
     p2 = supervisor_process(job2, {"epoch_s": 0.1, "batches": 2})
@@ -155,6 +161,8 @@ def test_a_supervisor_killed_during_an_outage_resumes_on_a_new_vm_from_the_run_d
     assert ready[-1]["resumed_from_epoch"] == 1
     assert [e["epoch"] for e in events if e["event"] == "epoch_completed"] == [1, 2, 3, 4]
     assert _lines(run / "events.jsonl") == _lines(_control(job2).journal)
+    assert not os.path.exists(cut)
+    assert all(durable.verify(c.path) is None for c in durable.list())
 
 
 def test_an_outage_past_the_lease_pauses_the_worker_and_it_goes_on_when_the_lock_is_still_ours(
