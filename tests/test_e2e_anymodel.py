@@ -35,7 +35,7 @@ checkpoint: {{every_epochs: 1, every_steps: 3, keep: 2, background: false}}
 restarts: {{max: 4, backoff: {{initial: 0.1, max: 0.5}}}}
 heartbeat_interval: 0.2
 export: {{saved_model: false}}
-"""
+"""  # helpers.NO_SAVED_MODEL, in a format string
 # 8 steps an epoch: both kills fall mid-epoch (epoch 1 at step 5, epoch 2 at step 14), each
 # after a mid-epoch checkpoint the next attempt resumes from (written in line: committed before
 # the next step, so the resume points are steps 3 and 12 whatever the disk's speed)

@@ -16,7 +16,8 @@ import sys
 import pytest
 import yaml
 
-from helpers import JAX_THEN_TF_IN_SOAK, ROOT, finished_run, only_event, start_run
+from helpers import (JAX_THEN_TF_IN_SOAK, NO_SAVED_MODEL, ROOT, finished_run, only_event,
+                     start_run)
 from orchestrator.checkpoint.store import CheckpointStore
 
 pytestmark = [pytest.mark.e2e, JAX_THEN_TF_IN_SOAK]
@@ -29,7 +30,7 @@ KILLS = ("kill@step=8", "kill@step=19")
 OVERRIDES = {"epochs": 2, "standby": "off", "heartbeat_interval": 0.2,
              "checkpoint": {"every_epochs": 1, "every_steps": 5, "keep": 3, "background": False},
              "restarts": {"max": 4, "backoff": {"initial": 0.1, "max": 0.5}},
-             "export": {"saved_model": False}}  # helpers.NO_SAVED_MODEL
+             **yaml.safe_load(NO_SAVED_MODEL)}
 # "the size of the LoRA weights and their optimizer state, give or take the manifest" (issue 37)
 NEW_BYTES_RATIO = 1.1
 

@@ -360,7 +360,6 @@ class DurableMirror:
                 getattr(self.store, tier).collect_blobs()
                 self.journal.append(Event.CHECKPOINTS_RETIRED, tier=tier, steps=steps)
 
-
     def _remove_cut_short(self) -> list[int]:
         """Remove the durable copies whose commit stopped before its marker (the supervisor of
         an earlier session killed, or its mount lost, mid-copy) once a newer copy verifies

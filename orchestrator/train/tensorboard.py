@@ -4,10 +4,11 @@ Every point is written at the run's global step, so all attempts lie on one axis
 killed attempt wrote past the restored checkpoint are dropped: ``repair`` rewrites each run
 folder into one *history* file before the attempt writes, and each attempt's own file starts
 with ``SessionLog.START`` at the restored step + 1 for a TensorBoard already watching. Points
-are flushed before the checkpoint commits their step (the writer: ``callbacks.TensorBoardCallback``).
-No TensorFlow on either backend: only what the ``tensorboard`` package ships that needs none; and
-no Keras here, so that ``require`` fails a job before the framework's import. Why Keras' own callback and
-TensorBoard's purge do not do it: ARCHITECTURE.md, "TensorBoard across restarts".
+are flushed before the checkpoint commits their step (the writer:
+``callbacks.TensorBoardCallback``). No TensorFlow on either backend: only what the
+``tensorboard`` package ships that needs none; and no Keras here, so that ``require`` fails a
+job before the framework's import. Why Keras' own callback and TensorBoard's purge do not do
+it: ARCHITECTURE.md, "TensorBoard across restarts".
 """
 from __future__ import annotations
 
